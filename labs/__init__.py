@@ -1,0 +1,32 @@
+"""Labs for *From All-Reduce to FSDP*: real torch.distributed ranks, launched from a notebook.
+
+The library the book's notebooks import. Modules follow the chapters:
+
+* :mod:`labs.launch` - run ``fn(rank, world_size, ...)`` on N real ranks (every chapter).
+* :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
+* :mod:`labs.checks` - the exercise checks, run on real ranks.
+* :mod:`labs.viz`, :mod:`labs.widgets` - tables, figures and widget panels.
+* :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``).
+"""
+
+from labs.launch import (
+    MAX_WORLD_SIZE,
+    Backend,
+    LaunchTimeout,
+    RankError,
+    RankResults,
+    StartMethod,
+    launch,
+    shutdown,
+)
+
+__all__ = [
+    "MAX_WORLD_SIZE",
+    "Backend",
+    "LaunchTimeout",
+    "RankError",
+    "RankResults",
+    "StartMethod",
+    "launch",
+    "shutdown",
+]

@@ -1,0 +1,609 @@
+"""Run ``fn(rank, world_size, *args)`` on N real torch.distributed ranks and collect the results.
+
+``launch`` is what every notebook of the course calls. It owns everything about processes:
+starting the ranks, their environment and process group, per-rank threads, a fresh
+rendezvous port, timeouts, captured output, and cleaning up after any fault.
+
+How the ranks are started (see ``python -m labs.bench launch`` for the numbers):
+
+* ``fork`` is unsafe from a notebook kernel: a child forked after the kernel ran a
+  multithreaded torch op can spin forever in OpenMP, and fork cannot be used at all once
+  CUDA is initialised.
+* ``spawn`` is safe but starts a fresh interpreter per rank that imports torch again
+  (over a second per rank on 2 cores), and it cannot find a function defined in a
+  notebook cell, because the child re-imports ``__main__`` by name.
+* So ranks are forked from a **forkserver**: a single-threaded helper process, started once
+  per kernel, that has imported torch and this module but never ran a torch op or touched
+  CUDA. Forking from it is cheap and safe from CPU and GPU kernels alike. The function and
+  its arguments travel **by value** (cloudpickle) to the importable entry point
+  :func:`_rank_main`, so functions defined in notebook cells work. The helper stays alive
+  (idle, with no children) between launches; :func:`shutdown` stops it.
+
+The rendezvous store is a ``TCPStore`` hosted by the caller on a port the OS picks, so two
+launches at once never collide and re-running a cell never meets "address already in use".
+"""
+
+from __future__ import annotations
+
+import enum
+import faulthandler
+import math
+import multiprocessing as mp
+import multiprocessing.forkserver
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+#: More ranks than this on one machine is almost surely a typo; use torchrun across nodes.
+MAX_WORLD_SIZE = 32
+#: How long to wait for near-simultaneous failures before naming the first one.
+_FAILURE_GRACE_S = 0.3
+#: How long a rank gets to exit after SIGTERM before SIGKILL.
+_KILL_GRACE_S = 1.0
+#: Modules the forkserver imports once, so that forked ranks start with torch loaded.
+_PRELOAD = ["torch", "torch.distributed", "labs.launch"]
+#: Error texts that mean "a peer went away", not "this rank's code is wrong".
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"Socket Timeout|Timed out waiting|Connection refused|NCCL communicator was aborted|"
+    r"ProcessGroupNCCL.*(aborted|watchdog)",
+    re.IGNORECASE,
+)
+
+
+class Backend(enum.Enum):
+    """A torch.distributed backend the launcher can start."""
+
+    GLOO = "gloo"  #: CPU tensors; works everywhere.
+    NCCL = "nccl"  #: CUDA tensors, one GPU per rank.
+
+
+class StartMethod(enum.Enum):
+    """How rank processes are created (see the module docstring for why)."""
+
+    FORKSERVER = "forkserver"  #: Fork from a helper that preloaded torch (the default).
+    SPAWN = "spawn"  #: A fresh interpreter per rank; slower, kept for comparison.
+
+
+class RankError(RuntimeError):
+    """A rank raised (or died). Names the rank whose failure came first, with its traceback.
+
+    Attributes:
+        rank: the rank that failed first.
+        exc_type: the name of its exception class.
+        remote_traceback: the traceback text printed in that rank.
+        secondary: failures of other ranks that only followed from it (a lost peer).
+    """
+
+    def __init__(self, first: RankFailure, others: Sequence[RankFailure]) -> None:
+        self.rank = first.rank
+        self.exc_type = first.exc_type
+        self.remote_traceback = first.traceback
+        self.secondary = list(others)
+        lines = [
+            f"rank {first.rank} raised {first.exc_type}: {first.message}",
+            "",
+            f"Traceback from rank {first.rank}:",
+            first.traceback.rstrip(),
+        ]
+        if others:
+            names = ", ".join(str(f.rank) for f in others)
+            lines += [
+                "",
+                f"Rank(s) {names} failed afterwards, only because rank {first.rank} stopped "
+                "(their errors are in .secondary).",
+            ]
+        super().__init__("\n".join(lines))
+
+
+class LaunchTimeout(TimeoutError):
+    """Some ranks were still running when the launch's timeout ran out.
+
+    Attributes:
+        ranks: the ranks that never returned (they have been killed).
+        stacks: for each of them, the Python stack it was stuck in, when one could be read.
+    """
+
+    def __init__(self, ranks: list[int], timeout: float, stacks: dict[int, str]) -> None:
+        self.ranks = ranks
+        self.stacks = stacks
+        lines = [
+            f"rank(s) {', '.join(map(str, ranks))} still running after {timeout:g} s; "
+            "they were killed.",
+            "A common cause: one rank skips a collective (all_reduce, barrier, ...) that its "
+            "peers entered, so the peers wait forever. Every rank must make the same "
+            "collective calls in the same order. If the work is just slow, pass a larger "
+            "timeout=.",
+        ]
+        for rank, stack in stacks.items():
+            lines += ["", f"Where rank {rank} was stuck (most recent call first):", stack]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank reports when its code raises (or what the launcher notices if it dies)."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    when: float  #: time.time() at the failure, to order failures across ranks
+
+    @property
+    def peer_lost(self) -> bool:
+        """True when the error says a peer went away rather than this rank's code failing."""
+        return bool(_PEER_LOST.search(self.message) or _PEER_LOST.search(self.traceback))
+
+
+class RankResults(list):
+    """The per-rank return values in rank order (a plain list), plus what each rank printed.
+
+    Attributes:
+        stdout, stderr: captured text per rank (index = rank).
+        backend: the backend the ranks used.
+        seconds: wall time of the launch.
+    """
+
+    stdout: list[str]
+    stderr: list[str]
+    backend: Backend
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """Everything a rank needs to join the group; pickled to the child with the start call."""
+
+    rank: int
+    world_size: int
+    backend: Backend
+    store_port: int
+    threads: int
+    timeout_s: float
+    stdout_path: str
+    stderr_path: str
+    stack_path: str  #: where faulthandler writes the stack when the launcher asks (timeout)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 4,
+    *,
+    args: Sequence[Any] = (),
+    backend: str = "auto",
+    timeout: float = 60.0,
+    echo: bool = True,
+    start_method: StartMethod = StartMethod.FORKSERVER,
+) -> RankResults:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
+
+    Each process runs inside an initialised default process group (``dist.all_reduce`` and
+    friends just work). ``fn`` may be defined in a notebook cell. Return values come back in
+    rank order; tensors come back on the CPU.
+
+    Args:
+        fn: the worker, called as ``fn(rank, world_size, *args)`` in every rank.
+        world_size: number of ranks, 1..MAX_WORLD_SIZE.
+        args: extra positional arguments, sent by value to every rank.
+        backend: ``"auto"`` (nccl when there is one GPU per rank, gloo otherwise),
+            ``"gloo"`` or ``"nccl"``. Under nccl, rank k uses ``cuda:k``.
+        timeout: seconds before still-running ranks are killed and LaunchTimeout is raised.
+        echo: print what each rank printed, prefixed ``[rank k]``, after the ranks finish.
+        start_method: how rank processes are created; keep the default.
+
+    Raises:
+        TypeError, ValueError: bad input, before any process starts.
+        RankError: a rank raised; names the rank that failed first and carries its traceback.
+        LaunchTimeout: ranks still running after ``timeout`` seconds (they are killed).
+    """
+    chosen = _check_inputs(fn, world_size, args, backend, timeout)
+    payload = _serialise(fn, args)
+    started = time.monotonic()
+    ctx = mp.get_context(start_method.value)
+    if start_method is StartMethod.FORKSERVER:
+        ctx.set_forkserver_preload(_PRELOAD)
+    # The caller hosts the rendezvous store on a port the OS picks: no race for a free port.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    with tempfile.TemporaryDirectory(prefix="labs-launch-") as tmp:
+        specs = [
+            _RankSpec(
+                rank=rank, world_size=world_size, backend=chosen, store_port=store.port,
+                threads=_threads_per_rank(world_size), timeout_s=timeout,
+                stdout_path=str(Path(tmp) / f"rank{rank}.out"),
+                stderr_path=str(Path(tmp) / f"rank{rank}.err"),
+                stack_path=str(Path(tmp) / f"rank{rank}.stack"),
+            )
+            for rank in range(world_size)
+        ]
+        ranks: list[_Rank] = []
+        outcome: _Done | _Failed | _Timeout | None = None
+        try:
+            for spec in specs:
+                ranks.append(_Rank.start(ctx, payload, spec))
+            outcome = _supervise(ranks, deadline=started + timeout)
+        finally:  # also on KeyboardInterrupt (the notebook's stop button)
+            _stop(ranks, outcome)
+        stdout = [_read(spec.stdout_path) for spec in specs]
+        stderr = [_read(spec.stderr_path) for spec in specs]
+        stacks = {r: _stuck_stack(_read(specs[r].stack_path)) for r in range(world_size)}
+    if echo:
+        _echo(stdout, stderr)
+    if isinstance(outcome, _Timeout):
+        found = {r: stacks[r] for r in outcome.ranks if stacks[r]}
+        raise LaunchTimeout(outcome.ranks, timeout, found)
+    if isinstance(outcome, _Failed):
+        raise _first_failure(outcome.failures)
+    results = RankResults(cloudpickle.loads(outcome.values[r]) for r in range(world_size))
+    results.stdout, results.stderr = stdout, stderr
+    results.backend, results.seconds = chosen, time.monotonic() - started
+    return results
+
+
+def shutdown() -> None:
+    """Stop the forkserver helper (it is restarted by the next launch).
+
+    Nothing needs this in normal use: the helper is idle between launches and exits with the
+    kernel. Tests use it to show that nothing at all is left running.
+    """
+    multiprocessing.forkserver._forkserver._stop()
+
+
+# --- input checks: everything is refused before any process starts ---------------------------
+
+
+def _check_inputs(
+    fn: object, world_size: object, args: object, backend: object, timeout: object
+) -> Backend:
+    if not callable(fn):
+        raise TypeError(
+            f"fn must be a function, got {type(fn).__name__}. Pass the function itself, "
+            "e.g. launch(my_fn, world_size=4), not launch(my_fn(), ...)."
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(
+            f"world_size must be a positive int, got {world_size!r} "
+            f"({type(world_size).__name__}); e.g. world_size=4."
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"world_size={world_size} is more than {MAX_WORLD_SIZE} ranks on one machine. "
+            "Use a smaller world_size here, or run the lab under torchrun across several nodes."
+        )
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(
+            f"args must be a tuple of extra arguments, got {type(args).__name__}; "
+            "for one argument write args=(value,)."
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if not math.isfinite(timeout):
+        raise ValueError("timeout must be finite: a hung rank would otherwise hang the notebook.")
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; install a build with it.")
+    return _choose_backend(backend, world_size)
+
+
+def _choose_backend(backend: object, world_size: int) -> Backend:
+    names = {"auto", *(b.value for b in Backend)}
+    if isinstance(backend, Backend):
+        backend = backend.value
+    if backend not in names:
+        raise ValueError(f"backend must be one of {sorted(names)}, got {backend!r}.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        nccl_ok = gpus >= world_size and dist.is_nccl_available()
+        return Backend.NCCL if nccl_ok else Backend.GLOO
+    if backend == Backend.NCCL.value:
+        if not dist.is_nccl_available():
+            raise ValueError("this torch build has no NCCL; use backend='gloo'.")
+        if gpus < world_size:
+            raise ValueError(
+                f"NCCL needs one GPU per rank; use backend='gloo' "
+                f"(world_size={world_size}, GPUs visible: {gpus})."
+            )
+    return Backend(backend)
+
+
+def _serialise(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
+    try:
+        return cloudpickle.dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise TypeError(
+            f"could not send fn and args to the ranks ({type(exc).__name__}: {exc}). "
+            "Arguments must be picklable: pass plain values, tensors or dataclasses, and "
+            "create open files, locks or sockets inside fn instead."
+        ) from exc
+
+
+def _threads_per_rank(world_size: int) -> int:
+    # N ranks with the default thread count each would oversubscribe the cores many times over.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
+
+
+# --- the rank side --------------------------------------------------------------------------
+
+
+def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
+    """Entry point of every rank process (importable, so forkserver and spawn can find it)."""
+    os.setpgrp()  # its own process group, so the launcher can kill it and anything it started
+    _redirect_output(spec)
+    stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - open for the rank's whole life
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # on timeout
+    released = threading.Event()
+    threading.Thread(target=_watch_launcher, args=(conn, released), daemon=True).start()
+    try:
+        torch.set_num_threads(spec.threads)
+        fn, args = cloudpickle.loads(payload)
+        _join_group(spec)
+        value = fn(spec.rank, spec.world_size, *args)
+        message: tuple[str, Any] = ("ok", cloudpickle.dumps(_to_cpu(value)))
+    except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit too, goes back
+        message = ("error", _failure(spec.rank, exc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(message)
+    if message[0] == "ok":
+        # Stay in the group until every rank has returned: a rank that left early would make
+        # a peer still inside a collective fail, hiding the real problem (a hang).
+        released.wait()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _join_group(spec: _RankSpec) -> None:
+    env = {
+        "RANK": spec.rank, "LOCAL_RANK": spec.rank, "WORLD_SIZE": spec.world_size,
+        "LOCAL_WORLD_SIZE": spec.world_size, "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": spec.store_port, "OMP_NUM_THREADS": spec.threads,
+    }
+    # For code written for torchrun: the same variables it would set.
+    os.environ.update({k: str(v) for k, v in env.items()})
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    if spec.backend is Backend.NCCL:
+        torch.cuda.set_device(spec.rank)
+    store = dist.TCPStore(
+        "127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)
+    )
+    dist.init_process_group(
+        spec.backend.value, store=store, rank=spec.rank, world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+
+
+def _loopback_interface() -> str:
+    # Single-machine ranks talk over loopback; without this gloo resolves the hostname,
+    # which fails in some containers and laptops on odd networks.
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), names[0] if names else "lo")
+
+
+def _redirect_output(spec: _RankSpec) -> None:
+    """Send fd 1 and 2 (Python prints and C++ logs alike) to per-rank files the launcher reads."""
+    for fd, path in ((1, spec.stdout_path), (2, spec.stderr_path)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the rank
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def _watch_launcher(conn: Connection, released: threading.Event) -> None:
+    """Wait for the launcher's go-ahead; if the launcher dies, end this rank at once."""
+    try:
+        conn.recv()
+        released.set()
+    except (EOFError, OSError):
+        os._exit(3)  # the notebook kernel is gone: never leave an orphan rank behind
+
+
+def _failure(rank: int, exc: BaseException) -> RankFailure:
+    # Drop the launcher's own frame: the traceback starts in the learner's code.
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return RankFailure(
+        rank=rank, exc_type=type(exc).__name__, message=str(exc), traceback=text,
+        when=time.time(),
+    )
+
+
+def _to_cpu(value: Any) -> Any:
+    """Tensors come back to the notebook on the CPU (never initialise CUDA in the kernel)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+# --- the launcher side ----------------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    spec: _RankSpec
+    process: Any  # multiprocessing.Process of the chosen context
+    conn: Connection
+
+    @classmethod
+    def start(cls, ctx: Any, payload: bytes, spec: _RankSpec) -> _Rank:
+        ours, theirs = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=_rank_main, args=(payload, spec, theirs), name=f"rank{spec.rank}", daemon=False
+        )
+        process.start()
+        theirs.close()
+        return cls(spec, process, ours)
+
+
+@dataclass(frozen=True)
+class _Done:
+    values: dict[int, bytes]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    failures: list[RankFailure]
+
+
+@dataclass(frozen=True)
+class _Timeout:
+    ranks: list[int]
+
+
+def _supervise(ranks: list[_Rank], deadline: float) -> _Done | _Failed | _Timeout:
+    """Wait for every rank's report; stop at the first failure or at the deadline."""
+    values: dict[int, bytes] = {}
+    failures: list[RankFailure] = []
+    pending = {r.spec.rank: r for r in ranks}
+    give_up_at = deadline
+    while pending and time.monotonic() < give_up_at:
+        waitables: list[Any] = [r.conn for r in pending.values()]
+        waitables += [r.process.sentinel for r in pending.values()]
+        ready = set(wait(waitables, timeout=max(0.0, give_up_at - time.monotonic())))
+        for rank, r in list(pending.items()):
+            if r.conn in ready or (r.process.sentinel in ready and r.conn.poll()):
+                kind, body = _receive(r)
+                if kind == "ok":
+                    values[rank] = body
+                else:
+                    failures.append(body)
+                del pending[rank]
+            elif r.process.sentinel in ready:
+                failures.append(_died(r))
+                del pending[rank]
+        if failures and give_up_at == deadline:
+            # Give peers a moment to report, so the failure that came first can be named.
+            give_up_at = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    if failures:
+        return _Failed(failures)
+    if pending:
+        return _Timeout(sorted(pending))
+    for r in ranks:
+        r.conn.send("release")
+    return _Done(values)
+
+
+def _receive(r: _Rank) -> tuple[str, Any]:
+    try:
+        return r.conn.recv()
+    except (EOFError, OSError):
+        return "error", _died(r)
+
+
+def _died(r: _Rank) -> RankFailure:
+    r.process.join(timeout=1.0)
+    code = r.process.exitcode
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+    return RankFailure(
+        rank=r.spec.rank, exc_type="RankDied",
+        message=f"the process of rank {r.spec.rank} {how} before returning a result",
+        traceback="(no Python traceback: the process ended without raising; look at its "
+        "output above, or for os._exit, sys.exit in C code or a crash)",
+        when=time.time(),
+    )
+
+
+def _first_failure(failures: list[RankFailure]) -> RankError:
+    # The cause is the earliest failure that is not just "my peer went away".
+    causes = [f for f in failures if not f.peer_lost] or failures
+    first = min(causes, key=lambda f: f.when)
+    return RankError(first, sorted((f for f in failures if f is not first), key=lambda f: f.rank))
+
+
+def _stop(ranks: list[_Rank], outcome: _Done | _Failed | _Timeout | None) -> None:
+    """Make sure no rank outlives the launch: released ranks exit by themselves, the rest are
+    killed (SIGTERM, then SIGKILL). On a timeout, hung ranks first dump their stacks."""
+    if isinstance(outcome, _Timeout):
+        # faulthandler in each hung rank writes its Python stack to its stderr file.
+        _signal_all([r for r in ranks if r.spec.rank in outcome.ranks], signal.SIGUSR1)
+        time.sleep(0.2)
+    if isinstance(outcome, _Done):
+        _join_all(ranks, time.monotonic() + 5 * _KILL_GRACE_S)  # destroy_process_group, exit
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [r for r in ranks if r.process.is_alive()]
+        if not alive:
+            break
+        _signal_all(alive, sig)
+        _join_all(alive, time.monotonic() + _KILL_GRACE_S)
+    for r in ranks:
+        r.conn.close()
+
+
+def _join_all(ranks: list[_Rank], deadline: float) -> None:
+    for r in ranks:
+        r.process.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _signal_all(ranks: list[_Rank], sig: signal.Signals) -> None:
+    for r in ranks:
+        pid = r.process.pid
+        if pid is None:
+            continue
+        try:
+            os.killpg(pid, sig)  # the rank and anything it started (its own process group)
+        except (ProcessLookupError, PermissionError):
+            # Not yet its own group leader (killed right after start), or already gone.
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _stuck_stack(dump: str) -> str:
+    """The learner's frames from a faulthandler dump: the launcher's watcher thread and the
+    process start-up frames below ``_rank_main`` are dropped."""
+    blocks = re.split(r"\n\s*\n", dump.strip())
+    stacks = []
+    for block in blocks:
+        if "_watch_launcher" in block:
+            continue
+        frames = [line for line in block.splitlines() if line.startswith("  File")]
+        cut = next((i for i, line in enumerate(frames) if "in _rank_main" in line), len(frames))
+        stacks.append("\n".join(frames[:cut]))
+    return "\n".join(s for s in stacks if s)
+
+
+def _echo(stdout: list[str], stderr: list[str]) -> None:
+    """Show what each rank printed, in rank order (deterministic, unlike live interleaving)."""
+    for rank, text in enumerate(stdout):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}", file=sys.stdout)
+    for rank, text in enumerate(stderr):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
