@@ -607,3 +607,43 @@ def _echo(stdout: list[str], stderr: list[str]) -> None:
             print(f"[rank {rank}] {line}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+# --- the same workers under torchrun -----------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (it sets RANK, LOCAL_RANK and WORLD_SIZE)."""
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def run_torchrun(
+    fn: Callable[..., Any], args: Sequence[Any] = (), backend: str = "auto"
+) -> list[Any] | None:
+    """Run ``fn(rank, world_size, *args)`` in a process that torchrun started.
+
+    The process group uses torchrun's env:// rendezvous (MASTER_ADDR, MASTER_PORT), so it
+    spans every node. Under nccl each process uses ``cuda:LOCAL_RANK``: LOCAL_RANK, not
+    RANK, because rank 4 on the second node of a 2x4 job owns that node's GPU 0. Rank 0
+    gets every rank's return value (gathered, in rank order); other ranks get None.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        backend = "nccl" if gpus > local_rank and dist.is_nccl_available() else "gloo"
+    if backend == Backend.NCCL.value:
+        if gpus <= local_rank:
+            raise ValueError(
+                f"NCCL needs one GPU per rank; use backend='gloo' (LOCAL_RANK={local_rank}, "
+                f"GPUs visible: {gpus})."
+            )
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend)
+    try:
+        value = _to_cpu(fn(rank, world_size, *args))
+        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(value, gathered, dst=0)
+    finally:
+        dist.destroy_process_group()
+    return gathered

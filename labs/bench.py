@@ -1,0 +1,76 @@
+"""Benchmarks that print a table (never timed assertions in tests).
+
+    python -m labs.bench launch [--world-sizes 1 2 4 8] [--repeats 5] [--methods forkserver spawn]
+
+``launch``: the price a learner pays per widget click. For each start method and world size a
+fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
+times its first ``launch`` of a trivial function (this includes starting the forkserver) and
+the median of ``--repeats`` later launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from labs.launch import StartMethod, launch
+from labs.viz import format_table
+
+
+def _trivial(rank: int, world_size: int) -> int:
+    return rank
+
+
+def _time_launches(world_size: int, method: StartMethod, repeats: int) -> dict[str, float]:
+    """Run in a fresh process: first launch, then the median of ``repeats`` more."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        launch(_trivial, world_size, echo=False, start_method=method)
+        times.append(time.perf_counter() - start)
+    return {"first": times[0], "median_later": statistics.median(times[1:])}
+
+
+def bench_launch(world_sizes: Sequence[int], repeats: int, methods: Sequence[str]) -> str:
+    rows = []
+    cases = [(m, n) for m in methods for n in world_sizes]
+    for method, world_size in tqdm(cases, desc="launch latency", unit="case"):
+        code = (
+            "import json\n"
+            "from labs.bench import _time_launches\n"
+            "from labs.launch import StartMethod\n"
+            "if __name__ == '__main__':\n"
+            f"    print(json.dumps(_time_launches({world_size}, StartMethod({method!r}), "
+            f"{repeats})))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        timing = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append([method, world_size, f"{timing['first']:.3f}",
+                     f"{timing['median_later']:.3f}"])
+    return format_table(["start method", "world size", "first launch (s)",
+                         f"median of {repeats} later (s)"], rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m labs.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    lat = sub.add_parser("launch", help="launch latency of a trivial fn")
+    lat.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    lat.add_argument("--repeats", type=int, default=5)
+    lat.add_argument("--methods", nargs="+", default=[m.value for m in StartMethod],
+                     choices=[m.value for m in StartMethod])
+    opts = parser.parse_args(argv)
+    print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
+
+
+if __name__ == "__main__":
+    main()
