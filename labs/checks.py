@@ -77,6 +77,7 @@ def check_average_gradients(
     average_gradients: Callable[[nn.Module], object],
     world_sizes: Sequence[int] = (1, 2, 3, 4),
     seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
 ) -> CheckResult:
     """Exercise 1.1: after ``average_gradients(model)`` every rank's ``p.grad`` must hold the
     mean over ranks of the gradients they started with, for every trainable parameter, and
@@ -86,7 +87,7 @@ def check_average_gradients(
         try:
             results = launch(
                 _run_average_gradients, world_size, args=(average_gradients, seed),
-                timeout=CHECK_TIMEOUT_S, echo=False,
+                timeout=timeout, echo=False,
             )
         except RankError as err:
             hint = (

@@ -1,0 +1,106 @@
+"""Chapter 1's lab on real ranks: the toy step, gradient parity, and the CLI/torchrun path."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labs import launch
+from labs.toy_allreduce import (
+    SEED_GRADIENTS,
+    SEED_SENTENCES,
+    ToyAllReduceConfig,
+    data_parallel_gradients,
+    full_batch_gradients,
+    max_abs_difference,
+    shard_sentences,
+    toy_all_reduce_step,
+)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 7])
+def test_toy_step_leaves_every_rank_with_the_same_parameter(world_size):
+    config = ToyAllReduceConfig(seed=3)
+    records = launch(toy_all_reduce_step, world_size, args=(config,), echo=False)
+    grads = torch.tensor(config.gradients(world_size), dtype=torch.float32)
+    assert [r.rank for r in records] == list(range(world_size))
+    assert [r.local_grad for r in records] == grads.tolist()
+    assert len({r.param_after_bits for r in records}) == 1
+    mean = records[0].summed / world_size
+    assert records[0].averaged == pytest.approx(mean, rel=1e-6)
+    assert records[0].param_after == pytest.approx(0.5 - 1e-3 * mean, rel=1e-6)
+
+
+def test_seed_story_numbers():
+    records = launch(toy_all_reduce_step, 4, args=(ToyAllReduceConfig(grads=SEED_GRADIENTS),),
+                     echo=False)
+    assert records[0].summed == pytest.approx(0.2, abs=1e-7)
+    assert records[0].param_after == pytest.approx(0.49995, abs=1e-7)
+
+
+def test_config_refuses_wrong_number_of_gradients():
+    with pytest.raises(ValueError, match="give exactly 4"):
+        ToyAllReduceConfig(grads=(0.1, 0.2)).gradients(4)
+
+
+def test_drawn_gradients_depend_only_on_the_seed():
+    assert ToyAllReduceConfig(seed=5).gradients(6) == ToyAllReduceConfig(seed=5).gradients(6)
+    assert ToyAllReduceConfig(seed=5).gradients(6) != ToyAllReduceConfig(seed=6).gradients(6)
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_shards_cover_every_sentence_once(world_size):
+    shards = [shard_sentences(SEED_SENTENCES, r, world_size) for r in range(world_size)]
+    assert [s for shard in shards for s in shard] == list(SEED_SENTENCES)
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_averaged_gradients_equal_full_batch_when_batches_are_even(world_size):
+    ranks = launch(data_parallel_gradients, world_size, args=(SEED_SENTENCES,), echo=False)
+    reference = full_batch_gradients(SEED_SENTENCES)
+    for r in ranks:
+        for name, grad in r.averaged.items():
+            torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-6)
+        assert max_abs_difference(r.local, reference) > 1e-3  # the all-reduce did the work
+
+
+def test_averaged_gradients_differ_when_batches_are_uneven():
+    ranks = launch(data_parallel_gradients, 3, args=(SEED_SENTENCES,), echo=False)
+    reference = full_batch_gradients(SEED_SENTENCES)
+    assert max_abs_difference(ranks[0].averaged, reference) > 1e-3
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labs", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_runs_the_toy_lab():
+    out = _cli("toy", "--world-size", "2", "--grads", "1", "3")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [row[2] for row in rows] == ["4", "4"]  # the sum, on both ranks
+    assert [row[3] for row in rows] == ["2", "2"]  # the average
+
+
+def test_cli_refuses_bad_settings_with_a_message():
+    out = _cli("toy", "--world-size", "4", "--grads", "0.1", "0.2")
+    assert out.returncode == 2
+    assert "give exactly 4" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_same_lab_runs_under_torchrun():
+    """torchrun's env:// rendezvous on a free port (--standalone), two processes."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "labs", "toy", "--grads", "1", "3"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"]  # printed once, by rank 0, for both ranks
+    assert {row[2] for row in rows} == {"4"}
