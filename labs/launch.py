@@ -19,17 +19,23 @@ How the ranks are started (see ``python -m labs.bench launch`` for the numbers):
   :func:`_rank_main`, so functions defined in notebook cells work. The helper stays alive
   (idle, with no children) between launches; :func:`shutdown` stops it.
 
-The rendezvous store is a ``TCPStore`` hosted by the caller on a port the OS picks, so two
-launches at once never collide and re-running a cell never meets "address already in use".
+The ranks meet through a ``FileStore`` in the launch's own temporary directory: no fixed
+port, so two launches at once never collide and re-running a cell never meets "address
+already in use" (gloo's own connections use ports the OS assigns). A ``TCPStore`` hosted by
+the caller was measured first: its server looks up the host name of every rank that connects
+(a reverse DNS query for 127.0.0.1), and where the resolver drops a query a launch stalled
+for 5 s, about one launch in ten here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import faulthandler
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import signal
@@ -123,13 +129,20 @@ class LaunchTimeout(TimeoutError):
     def __init__(self, ranks: list[int], timeout: float, stacks: dict[int, str]) -> None:
         self.ranks = ranks
         self.stacks = stacks
-        lines = [
-            f"rank(s) {', '.join(map(str, ranks))} still running after {timeout:g} s; "
-            "they were killed.",
+        starting = not stacks or all("_join_group" in s for s in stacks.values())
+        hint = (
+            "They were still starting up (joining the process group): the first launch in a "
+            "kernel also starts the helper that imports torch. Pass a larger timeout=."
+            if starting else
             "A common cause: one rank skips a collective (all_reduce, barrier, ...) that its "
             "peers entered, so the peers wait forever. Every rank must make the same "
             "collective calls in the same order. If the work is just slow, pass a larger "
-            "timeout=.",
+            "timeout=."
+        )
+        lines = [
+            f"rank(s) {', '.join(map(str, ranks))} still running after {timeout:g} s; "
+            "they were killed.",
+            hint,
         ]
         for rank, stack in stacks.items():
             lines += ["", f"Where rank {rank} was stuck (most recent call first):", stack]
@@ -174,9 +187,9 @@ class _RankSpec:
     rank: int
     world_size: int
     backend: Backend
-    store_port: int
     threads: int
     timeout_s: float
+    store_path: str  #: the FileStore every rank of this launch meets in
     stdout_path: str
     stderr_path: str
     stack_path: str  #: where faulthandler writes the stack when the launcher asks (timeout)
@@ -219,16 +232,12 @@ def launch(
     ctx = mp.get_context(start_method.value)
     if start_method is StartMethod.FORKSERVER:
         ctx.set_forkserver_preload(_PRELOAD)
-    # The caller hosts the rendezvous store on a port the OS picks: no race for a free port.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-    )
     with tempfile.TemporaryDirectory(prefix="labs-launch-") as tmp:
         specs = [
             _RankSpec(
-                rank=rank, world_size=world_size, backend=chosen, store_port=store.port,
+                rank=rank, world_size=world_size, backend=chosen,
                 threads=_threads_per_rank(world_size), timeout_s=timeout,
+                store_path=str(Path(tmp) / "store"),
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),
                 stack_path=str(Path(tmp) / f"rank{rank}.stack"),
@@ -266,6 +275,8 @@ def shutdown() -> None:
     kernel. Tests use it to show that nothing at all is left running.
     """
     multiprocessing.forkserver._forkserver._stop()
+    # The forkserver's companion, started with it; also idle, also restarted on demand.
+    multiprocessing.resource_tracker._resource_tracker._stop()
 
 
 # --- input checks: everything is refused before any process starts ---------------------------
@@ -293,7 +304,7 @@ def _check_inputs(
         )
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(
-            f"args must be a tuple of extra arguments, got {type(args).__name__}; "
+            f"args must be a tuple (or list) of extra arguments, got {type(args).__name__}; "
             "for one argument write args=(value,)."
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -316,13 +327,13 @@ def _choose_backend(backend: object, world_size: int) -> Backend:
         nccl_ok = gpus >= world_size and dist.is_nccl_available()
         return Backend.NCCL if nccl_ok else Backend.GLOO
     if backend == Backend.NCCL.value:
-        if not dist.is_nccl_available():
-            raise ValueError("this torch build has no NCCL; use backend='gloo'.")
         if gpus < world_size:
             raise ValueError(
                 f"NCCL needs one GPU per rank; use backend='gloo' "
                 f"(world_size={world_size}, GPUs visible: {gpus})."
             )
+        if not dist.is_nccl_available():
+            raise ValueError("this torch build has no NCCL; use backend='gloo'.")
     return Backend(backend)
 
 
@@ -359,7 +370,7 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
         fn, args = cloudpickle.loads(payload)
         _join_group(spec)
         value = fn(spec.rank, spec.world_size, *args)
-        message: tuple[str, Any] = ("ok", cloudpickle.dumps(_to_cpu(value)))
+        message: tuple[str, Any] = ("ok", _pack_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit too, goes back
         message = ("error", _failure(spec.rank, exc))
     sys.stdout.flush()
@@ -378,17 +389,14 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
 def _join_group(spec: _RankSpec) -> None:
     env = {
         "RANK": spec.rank, "LOCAL_RANK": spec.rank, "WORLD_SIZE": spec.world_size,
-        "LOCAL_WORLD_SIZE": spec.world_size, "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": spec.store_port, "OMP_NUM_THREADS": spec.threads,
+        "LOCAL_WORLD_SIZE": spec.world_size, "OMP_NUM_THREADS": spec.threads,
     }
     # For code written for torchrun: the same variables it would set.
     os.environ.update({k: str(v) for k, v in env.items()})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     if spec.backend is Backend.NCCL:
         torch.cuda.set_device(spec.rank)
-    store = dist.TCPStore(
-        "127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s)
-    )
+    store = dist.FileStore(spec.store_path, spec.world_size)
     dist.init_process_group(
         spec.backend.value, store=store, rank=spec.rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
@@ -431,6 +439,17 @@ def _failure(rank: int, exc: BaseException) -> RankFailure:
     )
 
 
+def _pack_result(value: Any) -> bytes:
+    try:
+        return cloudpickle.dumps(_to_cpu(value))
+    except Exception as exc:
+        raise TypeError(
+            f"fn returned a {type(value).__name__} that cannot be sent back to the notebook "
+            f"({type(exc).__name__}: {exc}). Return tensors, numbers, strings, lists, dicts or "
+            "dataclasses of those."
+        ) from exc
+
+
 def _to_cpu(value: Any) -> Any:
     """Tensors come back to the notebook on the CPU (never initialise CUDA in the kernel)."""
     if isinstance(value, torch.Tensor):
@@ -439,6 +458,12 @@ def _to_cpu(value: Any) -> Any:
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_cpu(v) for v in value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value)
+                  if f.init}
+        return dataclasses.replace(value, **fields)
     return value
 
 
@@ -541,7 +566,7 @@ def _stop(ranks: list[_Rank], outcome: _Done | _Failed | _Timeout | None) -> Non
     """Make sure no rank outlives the launch: released ranks exit by themselves, the rest are
     killed (SIGTERM, then SIGKILL). On a timeout, hung ranks first dump their stacks."""
     if isinstance(outcome, _Timeout):
-        # faulthandler in each hung rank writes its Python stack to its stderr file.
+        # faulthandler in each hung rank writes its Python stack to its .stack file.
         _signal_all([r for r in ranks if r.spec.rank in outcome.ranks], signal.SIGUSR1)
         time.sleep(0.2)
     if isinstance(outcome, _Done):

@@ -1,0 +1,150 @@
+"""Shared test helpers: which processes a test left running, and GPU-only tests.
+
+Ranks are forked from multiprocessing's forkserver helper, a child of the test process; the
+forkserver in turn needs multiprocessing's resource tracker, also a child of the test process.
+So after a launch the process tree under pytest is::
+
+    pytest ─┬─ resource tracker      (idle helper, started once with the forkserver)
+            └─ forkserver ── rank 0, rank 1, ...   (must be gone once launch returns)
+
+Everything here reads ``/proc/<pid>/stat`` directly (Linux), so no psutil is needed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from labs import launch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip cleanly on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One line of the process table."""
+
+    pid: int
+    ppid: int
+    state: str  #: the state letter of /proc/PID/stat: R, S, D, Z (zombie, not reaped yet), ...
+    name: str
+
+
+class Processes:
+    """What runs under this test process, read from ``/proc``."""
+
+    @staticmethod
+    def table() -> dict[int, Proc]:
+        """Every process of the machine, by pid."""
+        procs = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # it exited while we were looking
+                continue
+            # The name is in parentheses and may itself hold spaces or ')': split after the last.
+            close = stat.rindex(")")
+            state, ppid = stat[close + 2 :].split()[:2]
+            name = stat[stat.index("(") + 1 : close]
+            procs[int(entry)] = Proc(int(entry), int(ppid), state, name)
+        return procs
+
+    def descendants(self, root: int | None = None) -> dict[int, Proc]:
+        """Children, grandchildren, ... of ``root`` (default: this process), zombies included."""
+        root = os.getpid() if root is None else root
+        children: dict[int, list[Proc]] = {}
+        for proc in self.table().values():
+            children.setdefault(proc.ppid, []).append(proc)
+        found: dict[int, Proc] = {}
+        todo = [root]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                if child.pid not in found:
+                    found[child.pid] = child
+                    todo.append(child.pid)
+        return found
+
+    @staticmethod
+    def running(pid: int) -> bool:
+        """True while ``pid`` exists and has not exited. A zombie counts as exited: an orphan's
+        zombie belongs to init, which may be slow to reap it."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2] not in "ZX"
+
+    @staticmethod
+    def forkserver_pid() -> int | None:
+        """The pid of the forkserver that launch forks ranks from (None when not started)."""
+        return multiprocessing.forkserver._forkserver._forkserver_pid
+
+    def helpers(self) -> set[int]:
+        """The idle multiprocessing helpers a launch may leave behind (never a rank)."""
+        tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+        return {pid for pid in (self.forkserver_pid(), tracker) if pid is not None}
+
+    def leftovers(self, within: float = 2.0) -> dict[int, Proc]:
+        """Descendants other than the idle helpers, after waiting up to ``within`` seconds for
+        exiting ranks to be reaped. A rank is a child of the forkserver, so "the forkserver has
+        no children" is part of this."""
+        deadline = time.monotonic() + within
+        while True:
+            helpers = self.helpers()
+            left = {pid: p for pid, p in self.descendants().items() if pid not in helpers}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
+
+    def wait_gone(self, pids: list[int], within: float) -> list[int]:
+        """Wait up to ``within`` seconds for ``pids`` to exit; return those still running."""
+        deadline = time.monotonic() + within
+        while True:
+            alive = [pid for pid in pids if self.running(pid)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def procs() -> Processes:
+    """The process-table helpers (Linux only)."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc (Linux)")
+    return Processes()
+
+
+@pytest.fixture
+def no_leftover_processes(procs: Processes) -> Iterator[None]:
+    """After the test, nothing but the idle forkserver (and its resource tracker) is left under
+    this process: every rank of every launch has exited."""
+    yield
+    left = procs.leftovers(within=3.0)
+    assert not left, f"processes left running after the test: {list(left.values())}"
+
+
+@pytest.fixture
+def warm_forkserver(procs: Processes) -> None:
+    """Start the forkserver before a test that measures time: its first start imports torch
+    (a second or more on 2 cores), and that counts against the launch's timeout."""
+    pid = procs.forkserver_pid()
+    if pid is None or not procs.running(pid):
+        launch(lambda rank, world_size: None, 1, echo=False)

@@ -1,0 +1,553 @@
+"""Tests of labs.launch with real rank processes (no mocks).
+
+Each test names the promise of ``launch`` it checks. Every test also checks, through the
+``no_leftover_processes`` fixture, that no rank outlives its launch, whatever happened in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+from nbclient import NotebookClient
+
+import labs
+from labs import Backend, LaunchTimeout, RankError, RankResults, launch
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+# The rank functions below travel by value, as a notebook's would: otherwise every rank would
+# import this module, and with it pytest and nbclient (a second per launch on 2 cores).
+# They build tensors with torch.full rather than torch.tensor next to `dist`: cloudpickle ships
+# every loaded submodule whose name the function mentions, so once this process has imported
+# torch.distributed.tensor (torch.testing does) each rank would import it too (+1.5 s a launch).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+DRIVER = Path(__file__).with_name("launch_driver.py")
+CORES = len(os.sched_getaffinity(0))
+
+
+def run_driver(*argv: str, log: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """Start tests/launch_driver.py, its output going to log.out and log.err: files, not pipes,
+    since its forkserver inherits them and would hold a pipe open after the driver is gone."""
+    out, err = log.with_suffix(".out"), log.with_suffix(".err")
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(DRIVER), *argv], stdout=stdout, stderr=stderr)
+    return proc, out, err
+
+
+def wait_for_files(where: Path, pattern: str, count: int, proc: subprocess.Popen) -> list[Path]:
+    """Wait (up to 60 s: the driver imports torch twice) for ``count`` files to appear."""
+    deadline = time.monotonic() + 60.0
+    while len(found := sorted(where.glob(pattern))) < count:
+        assert proc.poll() is None, f"the driver exited early with code {proc.returncode}"
+        assert time.monotonic() < deadline, f"only {len(found)} of {count} ranks started"
+        time.sleep(0.05)
+    return found
+
+
+def return_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+# --- 1. ranks run fn inside an initialised process group; results in rank order -------------
+# Tests whose ranks run collectives on CPU tensors ask for gloo: under backend="auto" a machine
+# with a GPU per rank would pick nccl, which needs CUDA tensors.
+
+
+def group_facts(rank: int, world_size: int) -> tuple:
+    total = torch.full((1,), rank + 1.0)
+    dist.all_reduce(total)
+    return dist.is_initialized(), dist.get_rank(), dist.get_world_size(), rank, total.item()
+
+
+def test_ranks_run_inside_an_initialised_process_group():
+    """Promise 1: fn(rank, world_size) runs in N processes that each joined the default group,
+    and a real all_reduce adds across all of them."""
+    results = launch(group_facts, 4, backend="gloo", echo=False)
+    assert isinstance(results, RankResults) and isinstance(results, list)
+    assert results == [(True, rank, 4, rank, 1.0 + 2 + 3 + 4) for rank in range(4)]
+    assert results.backend is Backend.GLOO
+    assert len(results.stdout) == len(results.stderr) == 4
+    assert results.seconds > 0
+
+
+def test_auto_backend_is_gloo_unless_there_is_a_gpu_per_rank():
+    """Promise 1: backend="auto" picks nccl only when every rank can have its own GPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    expected = Backend.NCCL if gpus >= 2 and dist.is_nccl_available() else Backend.GLOO
+    assert launch(return_rank, 2, echo=False).backend is expected
+
+
+def distinct_pids(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def test_each_rank_is_its_own_process():
+    """Promise 1: N real processes, none of them the caller."""
+    pids = launch(distinct_pids, 4, echo=False)
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+
+
+def tensors_and_args(rank: int, world_size: int, scale: float, name: str) -> dict:
+    return {"name": name, "values": [torch.full((2,), rank * scale)], "rank": torch.tensor(rank)}
+
+
+def test_args_are_passed_and_tensors_come_back_in_rank_order():
+    """Promise 1: extra args reach every rank; tensors (nested too) come back in rank order."""
+    results = launch(tensors_and_args, 3, args=(0.5, "w"), echo=False)
+    for rank, value in enumerate(results):
+        assert value["name"] == "w"
+        torch.testing.assert_close(value["values"][0], torch.full((2,), rank * 0.5))
+        assert value["rank"].item() == rank and value["rank"].device.type == "cpu"
+
+
+def cuda_tensors(rank: int, world_size: int) -> dict:
+    on_gpu = torch.full((2,), float(rank), device=f"cuda:{rank}")
+    return {"flat": on_gpu, "nested": [on_gpu]}
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_come_back_on_the_cpu():
+    """Promise 1: tensors returned from a GPU rank (nested too) arrive on the CPU."""
+    results = launch(cuda_tensors, 1, echo=False)
+    assert results.backend is Backend.NCCL
+    assert results[0]["flat"].device.type == results[0]["nested"][0].device.type == "cpu"
+
+
+# --- 2. functions that cannot be imported by name travel by value ---------------------------
+
+
+def test_lambda_and_closure_run():
+    """Promise 2: a lambda and a closure over a local variable run in the ranks."""
+    offset = 10
+    assert launch(lambda rank, world_size: rank + offset, 2, echo=False) == [10, 11]
+
+    def make_adder(step: int):
+        return lambda rank, world_size: rank * step + world_size
+
+    assert launch(make_adder(3), 3, echo=False) == [3, 6, 9]
+
+
+def test_function_defined_inside_a_test_runs():
+    """Promise 2: a function defined in a local scope (as in a notebook cell), calling another
+    local function, with its own all_reduce."""
+
+    def square(x: float) -> float:
+        return x * x
+
+    def work(rank: int, world_size: int, base: float) -> float:
+        total = torch.full((1,), square(rank + base))
+        dist.all_reduce(total)
+        return total.item()
+
+    assert launch(work, 3, args=(1.0,), backend="gloo", echo=False) == [1.0 + 4 + 9] * 3
+
+
+def test_function_importable_by_name_runs():
+    """Promise 2, the usual case: a function the ranks can import by name."""
+    assert launch(operator.add, 3, echo=False) == [3, 4, 5]  # rank + world_size
+
+
+NOTEBOOK_CELL = """\
+import torch
+import torch.distributed as dist
+from labs import launch
+
+def total(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(f"rank {rank} sees {t.item():g}")
+    return t.item()
+
+results = launch(total, world_size=2, backend="gloo")
+print("results:", list(results))
+"""
+
+
+def test_function_defined_in_a_jupyter_kernel_runs(tmp_path):
+    """Promise 2: a real Jupyter kernel runs a cell that defines fn and calls launch."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_CELL)])
+    client = NotebookClient(
+        notebook, timeout=120, kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    outputs = notebook.cells[0].outputs
+    assert not [o for o in outputs if o.output_type == "error"], outputs
+    stdout = "".join(o.text for o in outputs if o.get("name") == "stdout")
+    assert "[rank 0] rank 0 sees 3\n[rank 1] rank 1 sees 3\n" in stdout
+    assert "results: [3.0, 3.0]" in stdout
+
+
+# --- 3. a fresh rendezvous per launch (no fixed port) --------------------------------------------------
+
+
+def meet(rank: int, world_size: int, where: str, name: str, expected: int) -> dict:
+    """Check in under ``where`` and wait for ``expected`` ranks of any launch to do the same
+    (so the launches provably overlap), then all_reduce within this launch."""
+    Path(where, f"{name}-rank{rank}").touch()
+    deadline = time.monotonic() + 20.0
+    while len(os.listdir(where)) < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(os.listdir(where))} of {expected} ranks met")
+        time.sleep(0.02)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"sum": total.item()}
+
+
+def check_two_overlapping_launches(first: list[dict], second: list[dict]) -> None:
+    for results in (first, second):
+        assert [r["sum"] for r in results] == [2.0, 2.0]  # each all_reduce saw only its own group
+
+
+def test_two_launches_at_once_in_threads(tmp_path):
+    """Promise 3: two launches running at the same time in one process both succeed, each in
+    its own group."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(
+                launch, meet, 2, args=(str(tmp_path), name, 4), backend="gloo", timeout=30.0,
+                echo=False,
+            )
+            for name in ("a", "b")
+        ]
+        first, second = (future.result() for future in futures)
+    check_two_overlapping_launches(first, second)
+
+
+def test_two_launches_at_once_in_two_processes(tmp_path):
+    """Promise 3: two launches running at the same time from two processes both succeed."""
+    where = tmp_path / "met"
+    where.mkdir()
+    drivers = [run_driver("meet", str(where), name, "4", log=tmp_path / name) for name in "ab"]
+    results = []
+    for proc, out, err in drivers:
+        assert proc.wait(timeout=90) == 0, err.read_text()
+        results.append(json.loads(out.read_text().splitlines()[-1]))
+    check_two_overlapping_launches(*results)
+
+
+def test_five_launches_in_a_row():
+    """Promise 3: re-running a launch never meets a port still in use."""
+    for _ in range(5):
+        assert launch(group_facts, 4, backend="gloo", echo=False)[0][-1] == 10.0
+
+
+# --- 4. threads per rank share the cores ----------------------------------------------------
+
+
+def thread_count(rank: int, world_size: int) -> int:
+    return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_threads_per_rank_share_the_cores(world_size):
+    """Promise 4: each rank gets cores // world_size threads (at least 1), so N ranks do not
+    oversubscribe the machine; a single rank gets every core."""
+    expected = max(1, CORES // world_size)
+    assert launch(thread_count, world_size, echo=False) == [expected] * world_size
+    if world_size == 1:
+        assert expected == CORES
+
+
+# --- 5. a failing rank is named, with its own traceback -------------------------------------
+
+
+def raise_in_one_rank(rank: int, world_size: int, bad_rank: int) -> float:
+    dist.barrier()
+    total = torch.ones(1)
+    if rank == bad_rank:
+        time.sleep(0.2)  # the others are inside all_reduce by now, waiting for this rank
+        raise ValueError(f"boom from rank {rank}")
+    dist.all_reduce(total)
+    return total.item()
+
+
+@pytest.mark.parametrize("bad_rank", [2, 0])
+def test_rank_that_raises_is_named_with_its_traceback(bad_rank):
+    """Promise 5: the rank that raised is named, with its traceback; the peers that failed only
+    because it left ("Connection closed by peer") are secondary, not the cause."""
+    with pytest.raises(RankError) as info:
+        launch(raise_in_one_rank, 4, args=(bad_rank,), backend="gloo", timeout=30.0, echo=False)
+    error = info.value
+    assert error.rank == bad_rank and error.exc_type == "ValueError"
+    assert f"boom from rank {bad_rank}" in error.remote_traceback
+    assert 'raise ValueError(f"boom from rank {rank}")' in error.remote_traceback
+    assert str(error).startswith(f"rank {bad_rank} raised ValueError: boom from rank {bad_rank}")
+    peers = sorted(set(range(4)) - {bad_rank})
+    assert [f.rank for f in error.secondary] == peers
+    assert all(f.peer_lost for f in error.secondary), error.secondary
+
+
+def die_in_one_rank(rank: int, world_size: int, how: str) -> float:
+    dist.barrier()
+    if rank == 1:
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+@pytest.mark.parametrize(("how", "said"), [("exit", "exited (7)"), ("kill", "killed by signal 9")])
+def test_rank_that_dies_without_a_traceback_is_named(how, said):
+    """Promise 5: a rank that ends without raising (os._exit, a signal) is named as RankDied,
+    and its peers stuck in all_reduce are secondary."""
+    with pytest.raises(RankError) as info:
+        launch(die_in_one_rank, 4, args=(how,), backend="gloo", timeout=30.0, echo=False)
+    error = info.value
+    assert error.rank == 1 and error.exc_type == "RankDied"
+    assert said in str(error)
+    assert [f.rank for f in error.secondary] == [0, 2, 3]
+    assert all(f.peer_lost for f in error.secondary), error.secondary
+
+
+def unpicklable_result(rank: int, world_size: int) -> object:
+    return threading.Lock() if rank == 3 else rank
+
+
+def test_unpicklable_return_value_is_that_ranks_error():
+    """Promise 5: a return value that cannot be pickled is reported as an error of its rank."""
+    with pytest.raises(RankError) as info:
+        launch(unpicklable_result, 4, echo=False)
+    error = info.value
+    assert error.rank == 3 and error.exc_type == "TypeError"
+    assert "pickle" in str(error) and "lock" in str(error)
+    assert error.secondary == []
+
+
+# --- 6. a hung rank ends the launch at the timeout ------------------------------------------
+
+
+def skip_a_collective(rank: int, world_size: int) -> int:
+    if rank != 3:  # the bug: rank 3 never joins, so 0, 1 and 2 wait in all_reduce forever
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def sleep_in_one_rank(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(1000)
+    return rank
+
+
+@pytest.mark.usefixtures("warm_forkserver")
+@pytest.mark.parametrize(
+    ("fn", "world_size", "stuck", "where"),
+    [
+        (skip_a_collective, 4, [0, 1, 2], "in all_reduce"),
+        (sleep_in_one_rank, 2, [1], "in sleep_in_one_rank"),
+    ],
+)
+def test_hung_ranks_time_out(fn, world_size, stuck, where):
+    """Promise 6: LaunchTimeout soon after the timeout, naming exactly the ranks still running,
+    with the stack each was stuck in; the fixture checks they were all killed."""
+    timeout = 3.0
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(fn, world_size, backend="gloo", timeout=timeout, echo=False)
+    assert time.monotonic() - started < timeout + 5
+    error = info.value
+    assert error.ranks == stuck
+    assert sorted(error.stacks) == stuck
+    assert all(where in stack for stack in error.stacks.values()), error.stacks
+    assert f"still running after {timeout:g} s" in str(error)
+
+
+# --- 7. interrupting or killing the launcher ends every rank --------------------------------
+
+
+def test_keyboard_interrupt_kills_all_ranks(tmp_path, procs):
+    """Promise 7: Ctrl-C (the notebook's stop button) in the launcher ends every rank."""
+    proc, _, err = run_driver("sleep", str(tmp_path), log=tmp_path / "driver")
+    try:
+        pid_files = wait_for_files(tmp_path, "rank*.pid", 4, proc)
+        pids = [int(path.read_text()) for path in pid_files]
+        assert all(procs.running(pid) for pid in pids)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) != 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "KeyboardInterrupt" in err.read_text()
+    assert procs.wait_gone(pids, within=5.0) == []
+
+
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path, procs):
+    """Promise 7: when the launcher dies outright (a kernel crash, SIGKILL), its ranks notice
+    the closed pipe and exit by themselves."""
+    proc, _, _ = run_driver("sleep", str(tmp_path), log=tmp_path / "driver")
+    try:
+        pids = [int(path.read_text()) for path in wait_for_files(tmp_path, "rank*.pid", 4, proc)]
+        proc.send_signal(signal.SIGKILL)  # no finally, no cleanup: only the ranks can act
+        assert proc.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+    assert procs.wait_gone(pids, within=5.0) == []
+
+
+# --- 9. bad input is refused before any process starts --------------------------------------
+
+
+
+def case_id(value: object) -> str | None:
+    """Readable, stable ids for the bad-input cases: "world_size=0", "args=(lock,)"."""
+    if not isinstance(value, dict):
+        return None  # pytest's own id
+    (key, v), = value.items()
+    return f"{key}=({type(v[0]).__name__},)" if isinstance(v, tuple) else f"{key}={v!r}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "advice"),
+    [
+        ({"world_size": 0}, ValueError, "world_size must be at least 1"),
+        ({"world_size": -1}, ValueError, "world_size must be at least 1"),
+        ({"world_size": 2.0}, TypeError, "positive int.*e.g. world_size=4"),
+        ({"world_size": "4"}, TypeError, "positive int.*e.g. world_size=4"),
+        ({"world_size": True}, TypeError, "positive int.*e.g. world_size=4"),
+        ({"world_size": labs.MAX_WORLD_SIZE + 1}, ValueError, "Use a smaller world_size"),
+        ({"fn": 42}, TypeError, r"Pass the function itself, e.g. launch\(my_fn"),
+        ({"backend": "nccl"}, ValueError, "use backend='gloo'"),
+        pytest.param(
+            {"backend": "nccl"}, ValueError, "NCCL needs one GPU per rank; use backend='gloo'",
+            id="nccl-without-gpus-message",
+        ),
+        ({"backend": "mpi"}, ValueError, r"backend must be one of \['auto', 'gloo', 'nccl'\]"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds"),
+        ({"timeout": -1.0}, ValueError, "timeout must be a positive number of seconds"),
+        ({"timeout": math.nan}, ValueError, "timeout must be a positive number of seconds"),
+        ({"timeout": math.inf}, ValueError, "timeout must be finite"),
+        ({"args": 3}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
+        ({"args": "abc"}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
+        (
+            {"args": (threading.Lock(),)}, TypeError,
+            "Arguments must be picklable.*create open files, locks or sockets inside fn",
+        ),
+    ],
+    ids=case_id,
+)
+def test_bad_input_is_refused_before_any_process_starts(kwargs, error, advice, procs):
+    """Promise 9: bad input raises at once, with a message saying what to do, and no process is
+    started (the set of processes under the test does not grow)."""
+    call = {"fn": return_rank, "world_size": 2, "echo": False, **kwargs}
+    before = set(procs.descendants())
+    with pytest.raises(error, match=advice):
+        launch(call.pop("fn"), call.pop("world_size"), **call)
+    assert set(procs.descendants()) <= before
+
+
+# --- 10. what ranks print is captured and echoed --------------------------------------------
+
+
+def chatty(rank: int, world_size: int) -> int:
+    print(f"hello from {rank}")
+    os.write(1, f"c-level {rank}\n".encode())
+    print(f"warning {rank}", file=sys.stderr)
+    os.write(2, f"c-level err {rank}\n".encode())
+    return rank
+
+
+def test_prints_are_captured_and_echoed_in_rank_order(capsys):
+    """Promise 10: Python prints and C-level writes of every rank land in results.stdout and
+    .stderr, and are echoed in the parent prefixed "[rank k] ", in rank order."""
+    results = launch(chatty, 3, echo=True)
+    assert results == [0, 1, 2]
+    for rank in range(3):
+        assert results.stdout[rank] == f"hello from {rank}\nc-level {rank}\n"
+        assert f"warning {rank}\nc-level err {rank}\n" in results.stderr[rank]
+    out, err = capsys.readouterr()
+    assert out == "".join(f"[rank {r}] hello from {r}\n[rank {r}] c-level {r}\n" for r in range(3))
+    echoed = [line for line in err.splitlines() if "warning" in line or "c-level" in line]
+    assert echoed == [
+        f"[rank {r}] {text} {r}" for r in range(3) for text in ("warning", "c-level err")
+    ]
+
+
+def test_echo_false_prints_nothing(capsys):
+    """Promise 10: with echo=False the output is only in the results."""
+    results = launch(chatty, 2, echo=False)
+    assert results.stdout == [f"hello from {r}\nc-level {r}\n" for r in range(2)]
+    assert capsys.readouterr() == ("", "")
+
+
+def print_then_fail(rank: int, world_size: int) -> int:
+    print(f"rank {rank} got this far")
+    if rank == 1:
+        raise RuntimeError("failed after printing")
+    return rank
+
+
+def test_prints_before_a_failure_are_echoed(capsys):
+    """Promise 10: what a failing rank printed before it raised is still shown."""
+    with pytest.raises(RankError) as info:
+        launch(print_then_fail, 2, echo=True)
+    assert info.value.rank == 1
+    out = capsys.readouterr().out
+    assert "[rank 0] rank 0 got this far\n[rank 1] rank 1 got this far\n" in out
+
+
+# --- 11. the simple cases -------------------------------------------------------------------
+
+
+def test_world_size_one():
+    """Promise 11: a single rank works, collectives included."""
+    assert launch(group_facts, 1, backend="gloo", echo=False) == [(True, 0, 1, 0, 1.0)]
+
+
+def test_explicit_gloo_backend():
+    """Promise 11: backend="gloo" is accepted and used."""
+    results = launch(group_facts, 2, backend="gloo", echo=False)
+    assert results.backend is Backend.GLOO
+    assert [r[-1] for r in results] == [3.0, 3.0]
+
+
+def test_results_compare_equal_to_a_plain_list():
+    """Promise 11: RankResults is a plain list of the values, in rank order."""
+    results = launch(lambda rank, world_size: rank * rank, 3, echo=False)
+    assert results == [0, 1, 4] and [0, 1, 4] == results
+    assert list(results) == [0, 1, 4]
+
+
+# --- 8. shutdown (last: every later launch would restart the forkserver) --------------------
+
+
+def test_shutdown_stops_the_forkserver(procs):
+    """Promise 8: after shutdown no forkserver and no rank is left; the next launch restarts
+    the forkserver."""
+    launch(return_rank, 2, echo=False)
+    forkserver = procs.forkserver_pid()
+    assert forkserver is not None and procs.running(forkserver)
+    labs.shutdown()
+    assert procs.wait_gone([forkserver], within=2.0) == []
+    left = procs.leftovers(within=2.0)
+    assert not left, left
+    assert launch(return_rank, 2, echo=False) == [0, 1]
+
+
+def test_shutdown_leaves_no_process_at_all(procs):
+    """Promise 8: after shutdown nothing at all runs under this process."""
+    launch(return_rank, 2, echo=False)
+    labs.shutdown()
+    deadline = time.monotonic() + 2.0
+    while (left := procs.descendants()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, left
