@@ -194,7 +194,7 @@ def test_function_defined_in_a_jupyter_kernel_runs(tmp_path):
     assert "results: [3.0, 3.0]" in stdout
 
 
-# --- 3. a fresh rendezvous per launch (no fixed port) --------------------------------------------------
+# --- 3. a fresh rendezvous per launch (no fixed port) ------------------------------------
 
 
 def meet(rank: int, world_size: int, where: str, name: str, expected: int) -> dict:
