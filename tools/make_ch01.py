@@ -25,7 +25,7 @@ def code(text: str, tags: list[str] | None = None) -> nbformat.NotebookNode:
 
 cells = [
     md(r"""
-# 1. The toy all-reduce
+# The toy all-reduce
 
 Data-parallel training runs one copy of the model per **rank** (a process, usually one per
 GPU). Every rank reads a different slice of the data, so every rank computes a different
@@ -61,7 +61,7 @@ from labs.viz import format_table, plot_gradient_parity, toy_table
 from labs.widgets import toy_allreduce_panel
 """),
     md(r"""
-## 1.1 Ranks and a process group
+## Ranks and a process group
 
 `launch(fn, world_size=4)` starts four processes. Each one joins a **process group** (the set
 of ranks that take part in collectives) and calls `fn(rank, world_size)`. The return values
@@ -81,7 +81,7 @@ argument, and collectives such as `dist.all_reduce` reach the other three proces
 `hello` was defined in this notebook; `launch` sends it to the ranks by value, which is why
 the exercises below can be written in notebook cells.
 
-## 1.2 Four ranks, one gradient
+## Four ranks, one gradient
 
 A scenario often used to introduce all-reduce: four ranks hold the gradient of the same
 weight, `W_query[0, 0]`, computed on different text, so the values differ:
@@ -169,7 +169,7 @@ One more claim to weigh: that four ranks make training "4x faster". Four ranks d
 four batches per step, but each step now also pays for the all-reduce, which grows with the
 model. Chapters 2 and 5 measure that cost instead of assuming it away.
 
-## 1.3 A real model: the average of the ranks' gradients is the full-batch gradient
+## A real model: the average of the ranks' gradients is the full-batch gradient
 
 Now the gradients come from a model. Each rank trains a tiny character **bigram** language
 model (an embedding and a linear layer that predict the next character from the current one)
@@ -259,7 +259,7 @@ print("weighted gradients equal the full-batch gradient (to 1e-6):", worst_fixed
 PyTorch's `DistributedSampler` takes the other route and pads the data so that every rank
 gets the same number of samples; chapter 5 looks at what that padding costs.
 
-## 1.4 Try it
+## Try it
 
 Choose a world size and a seed and press the button: the panel launches that many real ranks,
 each with a gradient drawn from the seed, and shows the table and a figure. Below the panel is
@@ -270,7 +270,7 @@ gradient; with any number of ranks every row ends with the same bits.
 toy_allreduce_panel(world_size=4, seed=0)
 """),
     md(r"""
-## 1.5 Exercise 1.1: `average_gradients`
+## Exercise 1.1: `average_gradients`
 
 Write `average_gradients(model)`: after `loss.backward()` on every rank, it must leave each
 parameter's `.grad` holding the mean of that gradient over all ranks.

@@ -1,0 +1,594 @@
+"""Check the built book the way an offline reader sees it.
+
+`make test` builds the book first (`make book`), then this module reads ``_build/html``:
+
+* static checks on every built page, no browser needed: no error or stderr output in a cell
+  (also inside the saved state of an ``Output`` widget), every ``<img>`` resolves to a
+  non-empty file, every relative link resolves to a file and every ``#anchor`` to an id,
+  and nothing (script, stylesheet, image, font, iframe) is loaded from the network;
+* browser checks on the intro and chapter pages in headless Debian ``chromium`` with every
+  host name unresolvable, so the page gets no network at all: after the scripts ran, every
+  embedded widget view is rendered (``.jupyter-widgets`` elements, e.g. ``.widget-button``),
+  every math element holds an ``mjx-container`` and no MathJax error, and the console shows
+  no uncaught error and no attempt to load a widget module from a CDN.
+
+The browser checks skip where chromium is missing. To look at a page yourself::
+
+    chromium --headless --no-sandbox --screenshot=/tmp/page.png --window-size=1200,2400 \
+        --virtual-time-budget=10000 file://$PWD/_build/html/notebooks/01_toy_allreduce.html
+
+The unit tests at the bottom feed small hand-made pages with one defect each to every checker,
+so each check is shown to fail when it should.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HTML_ROOT = ROOT / "_build" / "html"
+# The pages the browser opens; both must exist after `make book`.
+CHAPTER = "notebooks/01_toy_allreduce.html"
+INTRO = "book/intro.html"
+BROWSER_PAGES = [INTRO, CHAPTER]
+
+CHROMIUM = "chromium"
+CHROMIUM_MISSING = "install Debian's chromium: apt-get install chromium"
+BUILD_MISSING = "_build/html is missing: run make book first (make test does)"
+
+# A cell may show a traceback only when nbclient was told it raises on purpose.
+ALLOWED_ERROR_TAG = "tag_raises-exception"
+WIDGET_STATE_MIME = "application/vnd.jupyter.widget-state+json"
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+VOID_TAGS = {
+    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
+    "source", "track", "wbr",
+}
+# Attributes through which a page makes the browser fetch something.
+FETCH_ATTRS = {
+    "script": ("src",), "link": ("href",), "img": ("src", "srcset"), "iframe": ("src",),
+    "source": ("src", "srcset"), "video": ("src", "poster"), "audio": ("src",),
+    "embed": ("src",), "object": ("data",), "track": ("src",), "input": ("src",),
+}
+# <link> relations that only name a document; every other rel (stylesheet, icon, preload,
+# preconnect, manifest...) makes the browser fetch or connect.
+NO_FETCH_RELS = {"canonical", "alternate", "author", "license", "help", "next", "prev",
+                 "index", "search", "me", "bookmark"}
+EXTERNAL = re.compile(r"^\s*(https?:)?//", re.IGNORECASE)
+CSS_URL = re.compile(r"""url\(\s*['"]?\s*((?:https?:)?//[^'")\s]+)""", re.IGNORECASE)
+NON_FILE_SCHEMES = ("mailto:", "data:", "javascript:", "tel:")
+# Console lines that mean a script broke or a widget module was fetched from elsewhere.
+CONSOLE_PROBLEMS = re.compile(
+    r"Uncaught|Falling back to|Script error for|Could not create a view|Could not load module"
+    r"|not found in module|Error rendering|Failed to load resource|net::ERR_",
+    re.IGNORECASE,
+)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass
+class Element:
+    tag: str
+    attrs: dict[str, str]
+    parent: Element | None
+    text: str = ""  # the element's own text, not its children's
+    children: list[Element] = field(default_factory=list, repr=False)
+
+    @property
+    def classes(self) -> set[str]:
+        return set(self.attrs.get("class", "").split())
+
+    def ancestors(self) -> Iterable[Element]:
+        node = self.parent
+        while node is not None:
+            yield node
+            node = node.parent
+
+    def descendants(self) -> Iterable[Element]:
+        for child in self.children:
+            yield child
+            yield from child.descendants()
+
+
+class _TreeBuilder(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.root = Element("#document", {}, None)
+        self.elements: list[Element] = []
+        self._stack = [self.root]
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        el = Element(tag, {k: (v or "") for k, v in attrs}, self._stack[-1])
+        self._stack[-1].children.append(el)
+        self.elements.append(el)
+        if tag not in VOID_TAGS:
+            self._stack.append(el)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.handle_starttag(tag, attrs)
+        if tag not in VOID_TAGS:
+            self._stack.pop()
+
+    def handle_endtag(self, tag: str) -> None:
+        # Close the nearest open element of that name; a stray end tag is ignored.
+        for depth in range(len(self._stack) - 1, 0, -1):
+            if self._stack[depth].tag == tag:
+                del self._stack[depth:]
+                return
+
+    def handle_data(self, data: str) -> None:
+        self._stack[-1].text += data
+
+
+def parse_html(text: str) -> list[Element]:
+    """Every element of an HTML document, in document order, with parents and children."""
+    builder = _TreeBuilder()
+    builder.feed(text)
+    builder.close()
+    return builder.elements
+
+
+def element_ids(elements: Iterable[Element]) -> set[str]:
+    ids = set()
+    for el in elements:
+        ids.update(v for k, v in el.attrs.items() if k == "id" or (k == "name" and el.tag == "a"))
+    return ids
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+def error_outputs(elements: list[Element]) -> list[str]:
+    """Tracebacks and stderr in cell outputs, as myst-nb marks them, and in widget state.
+
+    myst-nb renders an error output as ``div.output.traceback`` and a stderr stream as
+    ``div.output.stderr``; the cell container carries ``tag_<name>`` classes for its tags.
+    A traceback in a cell tagged ``raises-exception`` is intended. Expected stderr noise is
+    dropped at build time by tagging the cell ``remove-stderr``. An ``Output`` widget keeps its
+    captured outputs in the embedded widget state instead of the page, so that is read too.
+    """
+    problems = []
+    for el in elements:
+        classes = el.classes
+        if "output" not in classes:
+            continue
+        snippet = _text_of(el)[:200]
+        if "traceback" in classes:
+            if not any(ALLOWED_ERROR_TAG in a.classes for a in el.ancestors()):
+                problems.append(f"error output in a cell: {snippet!r}")
+        elif "stderr" in classes:
+            problems.append(
+                f"stderr output in a cell (tag the cell remove-stderr if expected): {snippet!r}"
+            )
+    for el in elements:
+        if el.tag == "script" and el.attrs.get("type") == WIDGET_STATE_MIME:
+            problems += _widget_state_errors(el.text)
+    return problems
+
+
+def _widget_state_errors(state_json: str) -> list[str]:
+    try:
+        state = json.loads(state_json)
+    except json.JSONDecodeError as exc:
+        return [f"embedded widget state is not valid JSON: {exc}"]
+    problems = []
+    for model_id, model in state.get("state", {}).items():
+        for out in model.get("state", {}).get("outputs", []) or []:
+            if out.get("output_type") == "error":
+                problems.append(
+                    f"error captured by Output widget {model_id}: "
+                    f"{out.get('ename')}: {out.get('evalue')}"
+                )
+            elif out.get("output_type") == "stream" and out.get("name") == "stderr":
+                problems.append(
+                    f"stderr captured by Output widget {model_id}: {out.get('text', '')[:200]!r}"
+                )
+    return problems
+
+
+def _text_of(el: Element) -> str:
+    text = " ".join("".join([el.text] + [d.text for d in el.descendants()]).split())
+    return text or f"<{el.tag} class={el.attrs.get('class', '')!r}>"
+
+
+def external_references(elements: list[Element]) -> list[str]:
+    """Everything the page would fetch from another host (``<a href>`` is fine: a click)."""
+    problems = []
+    for el in elements:
+        if el.tag == "link" and set(el.attrs.get("rel", "").lower().split()) <= NO_FETCH_RELS:
+            continue  # <link rel=canonical href=https://...> names a page, fetches nothing
+        for attr in FETCH_ATTRS.get(el.tag, ()):
+            value = el.attrs.get(attr, "")
+            if attr == "srcset":
+                urls = [u.split()[0] for u in value.split(",") if u.strip()]
+            else:
+                urls = [value]
+            problems += [f"<{el.tag} {attr}={u!r}> loads from the network" for u in urls
+                         if EXTERNAL.match(u)]
+        if el.tag == "script":
+            # e.g. data-jupyter-widgets-cdn="https://cdn.jsdelivr.net/npm/"
+            problems += [f"<script {k}={v!r}> points at the network" for k, v in el.attrs.items()
+                         if k != "src" and EXTERNAL.match(v)]
+            if el.attrs.get("type", "text/javascript") in ("text/javascript", "module", ""):
+                problems += [f"inline script references {u!r}"
+                             for u in re.findall(r"""['"]((?:https?:)?//[^'"\s]+)""", el.text)]
+        if el.tag == "style":
+            problems += [f"<style> loads {u!r}" for u in CSS_URL.findall(el.text)]
+            problems += [f"<style> imports {u!r}" for u in
+                         re.findall(r"""@import\s+(?:url\()?['"]?((?:https?:)?//[^'")\s;]+)""",
+                                    el.text)]
+        style = el.attrs.get("style", "")
+        problems += [f"<{el.tag} style> loads {u!r}" for u in CSS_URL.findall(style)]
+    return problems
+
+
+def _local_target(url: str, page: Path, html_root: Path) -> tuple[Path | None, str] | None:
+    """(file the URL names or None for this page, fragment), or None for non-file URLs."""
+    if not url or EXTERNAL.match(url) or url.lower().startswith(NON_FILE_SCHEMES):
+        return None
+    parts = urlsplit(url)
+    if parts.scheme:  # some other scheme, e.g. file: (checked elsewhere)
+        return None
+    fragment = unquote(parts.fragment)
+    if not parts.path:
+        return None, fragment
+    path = Path(unquote(parts.path))
+    target = (html_root / path.relative_to("/")) if path.is_absolute() else (page.parent / path)
+    return target.resolve(), fragment
+
+
+def missing_images(elements: list[Element], page: Path, html_root: Path) -> list[str]:
+    """Every ``<img src>`` must be a non-empty local file (or inline data)."""
+    problems = []
+    for el in elements:
+        if el.tag != "img":
+            continue
+        src = el.attrs.get("src", "")
+        if not src.strip():
+            problems.append("<img> without src")
+            continue
+        if src.lower().startswith("data:"):
+            if "," not in src or not src.split(",", 1)[1].strip():
+                problems.append("<img> with an empty data: URI")
+            continue
+        target = _local_target(src, page, html_root)
+        if target is None:
+            continue  # external: reported by external_references
+        path, _ = target
+        if path is None or not path.is_file():
+            problems.append(f"<img src={src!r}>: no such file")
+        elif path.stat().st_size == 0:
+            problems.append(f"<img src={src!r}>: empty file")
+    return problems
+
+
+def broken_links(
+    elements: list[Element], page: Path, html_root: Path,
+    ids_of: dict[Path, set[str]] | None = None,
+) -> list[str]:
+    """Relative hrefs and local script/stylesheet sources must name existing files; anchors
+    (``page.html#id`` or ``#id``) must name an id in the target page."""
+    ids_of = {} if ids_of is None else ids_of
+    problems = []
+    for el in elements:
+        attr = {"a": "href", "link": "href", "area": "href", "script": "src"}.get(el.tag)
+        url = el.attrs.get(attr, "") if attr else ""
+        target = _local_target(url, page, html_root)
+        if target is None:
+            continue
+        path, fragment = target
+        path = page.resolve() if path is None else path
+        if path.is_dir():
+            path = path / "index.html"
+        if not path.is_file():
+            problems.append(f"<{el.tag} {attr}={url!r}>: no such file")
+            continue
+        if fragment and path.suffix == ".html":
+            if path not in ids_of:
+                ids_of[path] = element_ids(parse_html(path.read_text(encoding="utf-8")))
+            if fragment not in ids_of[path]:
+                problems.append(f"<{el.tag} {attr}={url!r}>: no id {fragment!r} in {path.name}")
+    return problems
+
+
+# --------------------------------------------------------------------------- browser checks
+
+
+def unrendered_widgets(static: list[Element], rendered: list[Element]) -> list[str]:
+    """Each embedded widget view must have become live widget DOM after the scripts ran.
+
+    The embed script (html-manager's embed-amd.js) puts a ``div.widget-subarea`` before each
+    ``<script type=application/vnd.jupyter.widget-view+json>`` and renders the view into it.
+    """
+    views = sum(1 for el in static
+                if el.tag == "script" and el.attrs.get("type") == WIDGET_VIEW_MIME)
+    if not views:
+        return []
+    live = [el for el in rendered if "widget-subarea" in el.classes
+            and any("jupyter-widgets" in d.classes for d in el.descendants())]
+    problems = []
+    if len(live) < views:
+        problems.append(f"{views} widget view(s) embedded but {len(live)} rendered "
+                        "(is embed-amd.js loading, and its modules local?)")
+    broken = [el for el in rendered if "jupyter-widgets-error-widget" in el.classes]
+    if broken:
+        problems.append(f"{len(broken)} widget(s) rendered as an error")
+    return problems
+
+
+def unrendered_math(static: list[Element], rendered: list[Element]) -> list[str]:
+    """Every Sphinx math element (``.math``) must hold MathJax output and no TeX error."""
+    expected = sum(1 for el in static if "math" in el.classes and el.tag in ("span", "div"))
+    if not expected:
+        return []
+    math = [el for el in rendered if "math" in el.classes and el.tag in ("span", "div")]
+    typeset = [el for el in math if any(d.tag == "mjx-container" for d in el.descendants())]
+    problems = []
+    if len(typeset) < expected:
+        problems.append(f"{expected} math element(s) but {len(typeset)} typeset by MathJax "
+                        "(raw TeX is showing)")
+    errors = [el for el in rendered if el.tag == "mjx-merror" or "data-mjx-error" in el.attrs]
+    if errors:
+        problems.append(f"{len(errors)} MathJax error(s): "
+                        f"{[e.attrs.get('data-mjx-error', '') for e in errors][:3]}")
+    return problems
+
+
+def console_problems(chromium_log: str) -> list[str]:
+    """Console messages (chromium --enable-logging=stderr) that mean something broke."""
+    problems = []
+    for line in chromium_log.splitlines():
+        match = re.search(r'CONSOLE[:(]\d+\)?\]?\s*"(.*)", source: (\S*)', line)
+        if match and CONSOLE_PROBLEMS.search(match.group(1)):
+            problems.append(f"console: {match.group(1)[:300]} ({match.group(2)})")
+    return problems
+
+
+def render_in_chromium(page: Path, budget_ms: int = 10_000) -> tuple[str, str]:
+    """(DOM after scripts ran, chromium's log) for a page opened with no network at all."""
+    with tempfile.TemporaryDirectory(prefix="book-chromium-") as profile:
+        cmd = [
+            CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={profile}",
+            # Every host name fails to resolve: a CDN reference cannot quietly rescue a page.
+            "--host-resolver-rules=MAP * ~NOTFOUND",
+            "--enable-logging=stderr", "--v=0",
+            f"--virtual-time-budget={budget_ms}", "--dump-dom", page.as_uri(),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    if done.returncode != 0 or "<html" not in done.stdout:
+        pytest.fail(f"chromium failed on {page} (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return done.stdout, done.stderr
+
+
+# --------------------------------------------------------------------------- book tests
+
+
+@pytest.fixture(scope="module")
+def html_root() -> Path:
+    if not HTML_ROOT.is_dir():
+        pytest.fail(BUILD_MISSING, pytrace=False)
+    for page in BROWSER_PAGES:
+        if not (HTML_ROOT / page).is_file():
+            pytest.fail(f"{page} is not in _build/html: is it in _toc.yml, and did "
+                        "`make book` succeed?", pytrace=False)
+    return HTML_ROOT
+
+
+def built_pages(html_root: Path) -> list[Path]:
+    return sorted(p for p in html_root.rglob("*.html")
+                  if not p.relative_to(html_root).parts[0].startswith(("_static", "_sources")))
+
+
+def _report(problems: dict[str, list[str]]) -> str:
+    return "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)
+
+
+def test_no_error_outputs(html_root: Path) -> None:
+    problems = {str(p.relative_to(html_root)): error_outputs(parse_html(p.read_text("utf-8")))
+                for p in built_pages(html_root)}
+    assert not any(problems.values()), _report(problems)
+
+
+def test_images_resolve(html_root: Path) -> None:
+    problems = {str(p.relative_to(html_root)):
+                missing_images(parse_html(p.read_text("utf-8")), p, html_root)
+                for p in built_pages(html_root)}
+    assert not any(problems.values()), _report(problems)
+
+
+def test_internal_links_resolve(html_root: Path) -> None:
+    ids_of: dict[Path, set[str]] = {}
+    problems = {str(p.relative_to(html_root)):
+                broken_links(parse_html(p.read_text("utf-8")), p, html_root, ids_of)
+                for p in built_pages(html_root)}
+    assert not any(problems.values()), _report(problems)
+
+
+def test_nothing_loaded_from_the_network(html_root: Path) -> None:
+    problems = {str(p.relative_to(html_root)): external_references(parse_html(p.read_text("utf-8")))
+                for p in built_pages(html_root)}
+    # Stylesheets can pull fonts or other sheets from a CDN too.
+    for css in sorted((html_root / "_static").rglob("*.css")):
+        text = css.read_text("utf-8", errors="replace")
+        found = CSS_URL.findall(text) + re.findall(
+            r"""@import\s+(?:url\()?['"]?((?:https?:)?//[^'")\s;]+)""", text)
+        if found:
+            problems[str(css.relative_to(html_root))] = [f"loads {u!r}" for u in found]
+    assert not any(problems.values()), _report(problems)
+
+
+def test_chapter_embeds_widget_state_and_local_scripts(html_root: Path) -> None:
+    """The chapter's widget state was saved at build time and its scripts are vendored."""
+    elements = parse_html((html_root / CHAPTER).read_text("utf-8"))
+    scripts = [el for el in elements if el.tag == "script"]
+    assert any(el.attrs.get("type") == WIDGET_STATE_MIME for el in scripts), (
+        "no embedded widget state: nbclient did not store it, or the notebook has no widgets")
+    srcs = [el.attrs["src"].split("?")[0] for el in scripts if "src" in el.attrs]
+    assert len(srcs) == len(set(srcs)), f"a script is loaded twice: {srcs}"
+    names = [s.rsplit("/", 1)[-1] for s in srcs]
+    for needed in ("require.js", "embed-amd.js", "tex-svg-full.js"):
+        assert needed in names, f"{needed} is not loaded by {CHAPTER}: {srcs}"
+    assert names.index("require.js") < names.index("embed-amd.js"), "require.js must come first"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip(CHROMIUM_MISSING)
+    return CHROMIUM
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("page", BROWSER_PAGES)
+def test_page_renders_offline(html_root: Path, chromium: str, page: str) -> None:
+    path = html_root / page
+    static = parse_html(path.read_text("utf-8"))
+    problems: list[str] = []
+    for budget_ms in (10_000, 30_000):  # one retry with more virtual time on a slow machine
+        dom, log = render_in_chromium(path, budget_ms)
+        rendered = parse_html(dom)
+        problems = (unrendered_widgets(static, rendered) + unrendered_math(static, rendered)
+                    + console_problems(log))
+        if not problems:
+            break
+    assert not problems, "\n".join(problems)
+    if page == CHAPTER:
+        # The course's chapter has math and widgets; an empty check would prove nothing.
+        assert any(el.tag == "mjx-container" for el in rendered), "no math rendered"
+        assert any("jupyter-widgets" in el.classes for el in rendered), "no widget rendered"
+
+
+# --------------------------------------------------------------------------- checker tests
+# Each checker on a clean page and on a page with exactly one defect of its kind.
+
+GOOD_CELL = """<div class="cell docutils container"><div class="cell_output docutils container">
+<div class="output stream highlight-myst-ansi notranslate"><pre>ok</pre></div></div></div>"""
+
+
+def test_error_outputs_catches_traceback_and_stderr() -> None:
+    assert error_outputs(parse_html(GOOD_CELL)) == []
+    traceback = GOOD_CELL.replace("output stream", "output traceback highlight-ipythontb")
+    assert error_outputs(parse_html(traceback))
+    stderr = GOOD_CELL.replace("output stream", "output stderr")
+    assert error_outputs(parse_html(stderr))
+    intended = traceback.replace("cell docutils", "cell tag_raises-exception docutils")
+    assert error_outputs(parse_html(intended)) == []
+
+
+def test_error_outputs_reads_output_widget_state() -> None:
+    def page(outputs: list[dict]) -> str:
+        state = {"version_major": 2, "version_minor": 0, "state": {"m1": {
+            "model_name": "OutputModel", "state": {"outputs": outputs}}}}
+        return f'<script type="{WIDGET_STATE_MIME}">{json.dumps(state)}</script>'
+
+    ok = {"output_type": "stream", "name": "stdout", "text": "ready\n"}
+    assert error_outputs(parse_html(page([ok]))) == []
+    err = {"output_type": "error", "ename": "RuntimeError", "evalue": "x", "traceback": []}
+    assert error_outputs(parse_html(page([ok, err])))
+    assert error_outputs(parse_html(page([{"output_type": "stream", "name": "stderr",
+                                            "text": "warn"}])))
+
+
+def test_missing_images_catches_missing_empty_and_blank(tmp_path: Path) -> None:
+    (tmp_path / "fig.png").write_bytes(b"\x89PNG not really")
+    (tmp_path / "empty.png").write_bytes(b"")
+    page = tmp_path / "page.html"
+    good = '<img src="fig.png"><img src="data:image/png;base64,iVBORw0KGgo=">'
+    assert missing_images(parse_html(good), page, tmp_path) == []
+    for bad in ('<img src="gone.png">', '<img src="empty.png">', "<img>",
+                '<img src="data:image/png;base64,">'):
+        assert missing_images(parse_html(bad), page, tmp_path), bad
+
+
+def test_broken_links_catches_missing_pages_and_anchors(tmp_path: Path) -> None:
+    (tmp_path / "book").mkdir()
+    (tmp_path / "book" / "intro.html").write_text('<h1 id="top">x</h1>')
+    page = tmp_path / "notebooks" / "ch.html"
+    page.parent.mkdir()
+    good = ('<a href="../book/intro.html">i</a><a href="../book/intro.html#top">t</a>'
+            '<a href="#here">h</a><p id="here"></p><a href="https://arxiv.org/abs/1910.02054">z</a>'
+            '<a href="mailto:a@b.c">m</a><a href="#">top</a>')
+    page.write_text(good)
+    assert broken_links(parse_html(good), page, tmp_path) == []
+    for bad in ('<a href="../book/missing.html">x</a>', '<a href="../book/intro.html#nope">x</a>',
+                '<a href="#nowhere">x</a>', '<script src="../_static/gone.js"></script>',
+                '<link rel="stylesheet" href="../_static/gone.css">'):
+        page.write_text(bad)
+        assert broken_links(parse_html(bad), page, tmp_path), bad
+
+
+def test_external_references_catches_cdn_loads() -> None:
+    good = ('<script src="../_static/vendor/requirejs/require.js"></script>'
+            '<link rel="stylesheet" href="../_static/a.css"><img src="../_images/a.png">'
+            '<a href="https://arxiv.org/abs/1910.02054">ZeRO</a>'
+            '<link rel="canonical" href="https://example.org/book/intro.html">'
+            '<script type="application/vnd.jupyter.widget-state+json">{"t": "https://x"}</script>')
+    assert external_references(parse_html(good)) == []
+    for bad in (
+        '<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js"></script>',
+        '<script src="//cdnjs.cloudflare.com/require.min.js"></script>',
+        '<link rel="stylesheet" href="https://fonts.googleapis.com/css?family=Lato">',
+        '<link rel="preconnect" href="https://fonts.gstatic.com">',
+        '<img src="http://example.org/a.png">',
+        '<img srcset="a.png 1x, https://example.org/b.png 2x">',
+        '<script src="e.js" data-jupyter-widgets-cdn="https://cdn.jsdelivr.net/npm/"></script>',
+        '<script>const THEBE_JS_URL = "https://unpkg.com/thebe@0.8.2/lib/index.js"</script>',
+        "<style>@import url('https://fonts.googleapis.com/css2?family=Inter');</style>",
+        '<div style="background: url(https://example.org/bg.png)"></div>',
+    ):
+        assert external_references(parse_html(bad)), bad
+
+
+def test_unrendered_widgets_catches_missing_views() -> None:
+    static = parse_html(f'<div><script type="{WIDGET_VIEW_MIME}">{{"model_id": "a"}}</script>'
+                        "</div>")
+    rendered_ok = parse_html('<div class="widget-subarea"><div class="lm-Widget jupyter-widgets '
+                             'widget-button"></div></div>')
+    assert unrendered_widgets(static, rendered_ok) == []
+    assert unrendered_widgets(static, static)  # scripts never ran
+    assert unrendered_widgets(static, parse_html('<div class="widget-subarea"></div>'))
+    errored = parse_html('<div class="widget-subarea"><div class="jupyter-widgets '
+                         'jupyter-widgets-error-widget"></div></div>')
+    assert unrendered_widgets(static, errored)
+    assert unrendered_widgets(parse_html("<p>no widgets</p>"), parse_html("<p></p>")) == []
+
+
+def test_unrendered_math_catches_raw_tex_and_tex_errors() -> None:
+    static = parse_html(r'<span class="math notranslate nohighlight">\(\frac{1}{N}\)</span>')
+    ok = parse_html('<span class="math notranslate nohighlight"><mjx-container class="MathJax">'
+                    "<svg></svg></mjx-container></span>")
+    assert unrendered_math(static, ok) == []
+    assert unrendered_math(static, static)  # MathJax never ran
+    tex_error = parse_html('<span class="math"><mjx-container><svg><g data-mjx-error="Undefined '
+                           'control sequence \\fracc"></g></svg></mjx-container></span>')
+    assert unrendered_math(static, tex_error)
+    assert unrendered_math(parse_html("<p>no math</p>"), parse_html("<p></p>")) == []
+
+
+def test_console_problems_catches_uncaught_errors_and_cdn_fallback() -> None:
+    quiet = ('[1:1:1122/0:INFO:CONSOLE:1] "[PST]: Changed to auto mode", source: file:///a.js (1)\n'
+             "[1:1:1122/0:ERROR:dbus/bus.cc:405] Failed to connect to the bus\n")
+    assert console_problems(quiet) == []
+    for bad in (
+        '"Uncaught (in promise) TypeError: Cannot read properties of undefined '
+        '(reading \'Queue\')"',
+        '"Falling back to https://cdn.jsdelivr.net/npm/ for bqplot@0.5.0"',
+        '"Error: Script error for \\"fake-widgets\\""',
+    ):
+        line = f"[1:1:1122/0:INFO:CONSOLE:6] {bad}, source: file:///x/embed-amd.js (6)"
+        assert console_problems(line), bad
