@@ -18,10 +18,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tqdm import tqdm
-
 from labs.launch import StartMethod, launch
-from labs.viz import format_table
+
+# Ranks import this module to find _trivial, so it imports nothing heavy at the top (tqdm and
+# labs.viz, which pulls in matplotlib, are imported where the table is made).
 
 
 def _trivial(rank: int, world_size: int) -> int:
@@ -39,6 +39,10 @@ def _time_launches(world_size: int, method: StartMethod, repeats: int) -> dict[s
 
 
 def bench_launch(world_sizes: Sequence[int], repeats: int, methods: Sequence[str]) -> str:
+    from tqdm import tqdm
+
+    from labs.viz import format_table
+
     rows = []
     cases = [(m, n) for m in methods for n in world_sizes]
     for method, world_size in tqdm(cases, desc="launch latency", unit="case"):
