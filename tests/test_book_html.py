@@ -23,6 +23,7 @@ so each check is shown to fail when it should.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -38,6 +39,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML_ROOT = ROOT / "_build" / "html"
+VENDOR = ROOT / "book" / "static" / "vendor"  # see its README.md
 # The pages the browser opens; both must exist after `make book`.
 CHAPTER = "notebooks/01_toy_allreduce.html"
 INTRO = "book/intro.html"
@@ -65,7 +67,8 @@ FETCH_ATTRS = {
 # preconnect, manifest...) makes the browser fetch or connect.
 NO_FETCH_RELS = {"canonical", "alternate", "author", "license", "help", "next", "prev",
                  "index", "search", "me", "bookmark"}
-EXTERNAL = re.compile(r"^\s*(https?:)?//", re.IGNORECASE)
+# Another host (http, https, protocol-relative) or an absolute path on the build machine.
+EXTERNAL = re.compile(r"^\s*((https?:)?//|file:)", re.IGNORECASE)
 CSS_URL = re.compile(r"""url\(\s*['"]?\s*((?:https?:)?//[^'")\s]+)""", re.IGNORECASE)
 NON_FILE_SCHEMES = ("mailto:", "data:", "javascript:", "tel:")
 # Console lines that mean a script broke or a widget module was fetched from elsewhere.
@@ -84,12 +87,20 @@ class Element:
     tag: str
     attrs: dict[str, str]
     parent: Element | None
-    text: str = ""  # the element's own text, not its children's
     children: list[Element] = field(default_factory=list, repr=False)
+    # The document's text chunks, shared by all elements; this one's text is chunks[start:end].
+    chunks: list[str] = field(default_factory=list, repr=False)
+    start: int = 0
+    end: int | None = None
 
     @property
     def classes(self) -> set[str]:
         return set(self.attrs.get("class", "").split())
+
+    @property
+    def text(self) -> str:
+        """All text inside the element, in document order (a script's body, a cell's output)."""
+        return "".join(self.chunks[self.start:self.end])
 
     def ancestors(self) -> Iterable[Element]:
         node = self.parent
@@ -106,31 +117,40 @@ class Element:
 class _TreeBuilder(HTMLParser):
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
-        self.root = Element("#document", {}, None)
+        self.chunks: list[str] = []
+        self.root = Element("#document", {}, None, chunks=self.chunks)
         self.elements: list[Element] = []
         self._stack = [self.root]
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        el = Element(tag, {k: (v or "") for k, v in attrs}, self._stack[-1])
+        el = Element(tag, {k: (v or "") for k, v in attrs}, self._stack[-1],
+                     chunks=self.chunks, start=len(self.chunks))
         self._stack[-1].children.append(el)
         self.elements.append(el)
-        if tag not in VOID_TAGS:
+        if tag in VOID_TAGS:
+            el.end = el.start
+        else:
             self._stack.append(el)
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.handle_starttag(tag, attrs)
         if tag not in VOID_TAGS:
-            self._stack.pop()
+            self._close(len(self._stack) - 1)
 
     def handle_endtag(self, tag: str) -> None:
         # Close the nearest open element of that name; a stray end tag is ignored.
         for depth in range(len(self._stack) - 1, 0, -1):
             if self._stack[depth].tag == tag:
-                del self._stack[depth:]
+                self._close(depth)
                 return
 
+    def _close(self, depth: int) -> None:
+        for el in self._stack[depth:]:
+            el.end = len(self.chunks)
+        del self._stack[depth:]
+
     def handle_data(self, data: str) -> None:
-        self._stack[-1].text += data
+        self.chunks.append(data)
 
 
 def parse_html(text: str) -> list[Element]:
@@ -200,12 +220,12 @@ def _widget_state_errors(state_json: str) -> list[str]:
 
 
 def _text_of(el: Element) -> str:
-    text = " ".join("".join([el.text] + [d.text for d in el.descendants()]).split())
-    return text or f"<{el.tag} class={el.attrs.get('class', '')!r}>"
+    return " ".join(el.text.split()) or f"<{el.tag} class={el.attrs.get('class', '')!r}>"
 
 
 def external_references(elements: list[Element]) -> list[str]:
-    """Everything the page would fetch from another host (``<a href>`` is fine: a click)."""
+    """Everything the page would fetch from another host, or from a ``file:`` path of the
+    machine that built it (``<a href>`` to another site is fine: that is a click, not a load)."""
     problems = []
     for el in elements:
         if el.tag == "link" and set(el.attrs.get("rel", "").lower().split()) <= NO_FETCH_RELS:
@@ -216,7 +236,7 @@ def external_references(elements: list[Element]) -> list[str]:
                 urls = [u.split()[0] for u in value.split(",") if u.strip()]
             else:
                 urls = [value]
-            problems += [f"<{el.tag} {attr}={u!r}> loads from the network" for u in urls
+            problems += [f"<{el.tag} {attr}={u!r}> loads from outside the book" for u in urls
                          if EXTERNAL.match(u)]
         if el.tag == "script":
             # e.g. data-jupyter-widgets-cdn="https://cdn.jsdelivr.net/npm/"
@@ -394,21 +414,23 @@ def built_pages(html_root: Path) -> list[Path]:
                   if not p.relative_to(html_root).parts[0].startswith(("_static", "_sources")))
 
 
-def _report(problems: dict[str, list[str]]) -> str:
-    return "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)
+def _fail_on(problems: dict[str, list[str]]) -> None:
+    report = "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)
+    if report:
+        pytest.fail(report, pytrace=False)
 
 
 def test_no_error_outputs(html_root: Path) -> None:
     problems = {str(p.relative_to(html_root)): error_outputs(parse_html(p.read_text("utf-8")))
                 for p in built_pages(html_root)}
-    assert not any(problems.values()), _report(problems)
+    _fail_on(problems)
 
 
 def test_images_resolve(html_root: Path) -> None:
     problems = {str(p.relative_to(html_root)):
                 missing_images(parse_html(p.read_text("utf-8")), p, html_root)
                 for p in built_pages(html_root)}
-    assert not any(problems.values()), _report(problems)
+    _fail_on(problems)
 
 
 def test_internal_links_resolve(html_root: Path) -> None:
@@ -416,7 +438,7 @@ def test_internal_links_resolve(html_root: Path) -> None:
     problems = {str(p.relative_to(html_root)):
                 broken_links(parse_html(p.read_text("utf-8")), p, html_root, ids_of)
                 for p in built_pages(html_root)}
-    assert not any(problems.values()), _report(problems)
+    _fail_on(problems)
 
 
 def test_nothing_loaded_from_the_network(html_root: Path) -> None:
@@ -429,7 +451,7 @@ def test_nothing_loaded_from_the_network(html_root: Path) -> None:
             r"""@import\s+(?:url\()?['"]?((?:https?:)?//[^'")\s;]+)""", text)
         if found:
             problems[str(css.relative_to(html_root))] = [f"loads {u!r}" for u in found]
-    assert not any(problems.values()), _report(problems)
+    _fail_on(problems)
 
 
 def test_chapter_embeds_widget_state_and_local_scripts(html_root: Path) -> None:
@@ -444,6 +466,16 @@ def test_chapter_embeds_widget_state_and_local_scripts(html_root: Path) -> None:
     for needed in ("require.js", "embed-amd.js", "tex-svg-full.js"):
         assert needed in names, f"{needed} is not loaded by {CHAPTER}: {srcs}"
     assert names.index("require.js") < names.index("embed-amd.js"), "require.js must come first"
+
+
+def test_vendored_assets_match_checksums() -> None:
+    """The vendored scripts are the npm releases named in book/static/vendor/README.md."""
+    lines = (VENDOR / "SHA256SUMS").read_text(encoding="utf-8").split("\n")
+    sums = dict(reversed(line.split()) for line in lines if line.strip())
+    assert sums, "SHA256SUMS is empty"
+    for name, expected in sums.items():
+        digest = hashlib.sha256((VENDOR / name).read_bytes()).hexdigest()
+        assert digest == expected, f"{name} differs from the vendored release; see README.md"
 
 
 @pytest.fixture(scope="module")
@@ -466,7 +498,8 @@ def test_page_renders_offline(html_root: Path, chromium: str, page: str) -> None
                     + console_problems(log))
         if not problems:
             break
-    assert not problems, "\n".join(problems)
+    if problems:
+        pytest.fail(f"{page}:\n" + "\n".join(problems), pytrace=False)
     if page == CHAPTER:
         # The course's chapter has math and widgets; an empty check would prove nothing.
         assert any(el.tag == "mjx-container" for el in rendered), "no math rendered"
@@ -550,6 +583,7 @@ def test_external_references_catches_cdn_loads() -> None:
         '<script>const THEBE_JS_URL = "https://unpkg.com/thebe@0.8.2/lib/index.js"</script>',
         "<style>@import url('https://fonts.googleapis.com/css2?family=Inter');</style>",
         '<div style="background: url(https://example.org/bg.png)"></div>',
+        '<img src="file:///tmp/bookdev/_build/jupyter_execute/fig.png">',
     ):
         assert external_references(parse_html(bad)), bad
 
