@@ -23,6 +23,7 @@ import nbformat
 import pytest
 import torch
 import torch.distributed as dist
+from launch_driver import meet  # the same rendezvous helper the two-process test runs
 from nbclient import NotebookClient
 
 import labs
@@ -195,20 +196,6 @@ def test_function_defined_in_a_jupyter_kernel_runs(tmp_path):
 
 
 # --- 3. a fresh rendezvous per launch (no fixed port) ------------------------------------
-
-
-def meet(rank: int, world_size: int, where: str, name: str, expected: int) -> dict:
-    """Check in under ``where`` and wait for ``expected`` ranks of any launch to do the same
-    (so the launches provably overlap), then all_reduce within this launch."""
-    Path(where, f"{name}-rank{rank}").touch()
-    deadline = time.monotonic() + 20.0
-    while len(os.listdir(where)) < expected:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(os.listdir(where))} of {expected} ranks met")
-        time.sleep(0.02)
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    return {"sum": total.item()}
 
 
 def check_two_overlapping_launches(first: list[dict], second: list[dict]) -> None:
