@@ -1,0 +1,710 @@
+"""All-reduce, reduce-scatter and all-gather built from point-to-point messages only.
+
+Chapters 2-4. Every function here uses nothing but ``isend``/``irecv`` (or
+``batch_isend_irecv``, which NCCL needs so that a send and a receive on the same pair of
+ranks cannot deadlock) and follows torch.distributed's conventions: it is called by every
+rank of ``group``, ``op`` is ``ReduceOp.SUM`` or ``ReduceOp.AVG``, and all-reduces work in
+place.
+
+Notation in the docstrings: N ranks, S bytes in the tensor, rank r. The tensor is cut into N
+chunks with :func:`shard_bounds` (the first ``numel % N`` chunks are one element longer, as
+``torch.tensor_split`` cuts), so any numel works, including numel < N (some chunks are empty).
+
+Costs per rank, in the order the chapters meet them (bytes sent; received is the same except
+for the naive root and the broadcast):
+
+=====================================  ==============================  ===================
+algorithm                              bytes sent per rank             sequential steps
+=====================================  ==============================  ===================
+naive (reduce to root, broadcast)      root (N-1)·S, others S          2(N-1) at the root
+whole-tensor ring                      (N-1)·S                          N-1
+ring (reduce-scatter + all-gather)     2(N-1)/N·S                       2(N-1)
+recursive doubling (N a power of 2)    log2(N)·S                        log2 N
+=====================================  ==============================  ===================
+
+The ring is bandwidth-optimal (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms
+for clusters of workstations", JPDC 2009): each rank must receive at least (N-1)/N·S to learn
+the other ranks' contributions to its share and send as much, once per phase.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp, Work
+
+#: The default segment of the pipelined ring on CPU; chosen with ``python -m labs.bench
+#: collectives`` (smaller segments pay gloo's per-message handshake too often, larger ones
+#: leave too little overlap between receiving one segment and reducing the previous one).
+DEFAULT_SEGMENT_BYTES = 1 << 20
+#: How many incoming segments may be in flight at once in the pipelined ring.
+DEFAULT_WINDOW = 4
+
+_SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG)
+
+
+class Phase(enum.Enum):
+    """The two halves of a ring all-reduce."""
+
+    #: Each step a rank sends one partial sum to its right and adds the chunk from its left;
+    #: after N-1 steps rank r holds chunk r summed over all ranks.
+    REDUCE_SCATTER = "reduce-scatter"
+    #: Each step a rank forwards a finished chunk to its right; after N-1 steps every rank
+    #: holds every finished chunk.
+    ALL_GATHER = "all-gather"
+
+
+@dataclass
+class CommStats:
+    """Point-to-point traffic of one rank: one message per ``isend``/``irecv``."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of a ring run on one rank, as the trace records it (values for small tensors)."""
+
+    rank: int
+    phase: Phase
+    step: int  #: 0 .. N-2 within the phase
+    sent_chunk: int
+    received_chunk: int
+    sent: tuple[float, ...]  #: the values sent to the right neighbour
+    received: tuple[float, ...]  #: the values that arrived from the left neighbour
+    chunk_after: tuple[float, ...]  #: the received chunk after this rank combined it
+
+
+@dataclass
+class Recorder:
+    """Pass one to a collective to count its messages and bytes (always) and, with
+    ``trace=True``, to record every ring step with its values (forces the unpipelined ring,
+    so one step is one message; meant for tensors of a few elements)."""
+
+    trace: bool = False
+    stats: CommStats = field(default_factory=CommStats)
+    steps: list[RingStep] = field(default_factory=list)
+
+
+# --- chunking -------------------------------------------------------------------------------
+
+
+def shard_bounds(numel: int, world_size: int) -> list[int]:
+    """The N+1 offsets that cut ``numel`` elements into N chunks, as ``torch.tensor_split``
+    does: chunk i is ``[bounds[i], bounds[i+1])`` and the first ``numel % N`` chunks hold one
+    element more than the rest."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    base, extra = divmod(numel, world_size)
+    bounds = [0]
+    for i in range(world_size):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def _segments(numel: int, segment: int | None) -> list[tuple[int, int]]:
+    """[start, stop) ranges that cut ``numel`` elements into pieces of at most ``segment``."""
+    if numel == 0:
+        return []
+    if segment is None:
+        return [(0, numel)]
+    return [(start, min(start + segment, numel)) for start in range(0, numel, segment)]
+
+
+# --- point-to-point plumbing ----------------------------------------------------------------
+
+
+@dataclass
+class _Peers:
+    """Group-relative ranks, point-to-point calls that count their traffic, and the checks
+    every collective starts with."""
+
+    group: ProcessGroup | None
+    rank: int
+    size: int
+    recorder: Recorder | None
+
+    @classmethod
+    def of(cls, group: ProcessGroup | None, recorder: Recorder | None) -> _Peers:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call this inside a function run by "
+                "labs.launch (or under torchrun after init_process_group)."
+            )
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
+
+    def global_rank(self, group_rank: int) -> int:
+        group_rank %= self.size
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def _count(self, tensor: torch.Tensor, *, sent: bool) -> None:
+        if self.recorder is None:
+            return
+        stats, nbytes = self.recorder.stats, tensor.numel() * tensor.element_size()
+        if sent:
+            stats.messages_sent += 1
+            stats.bytes_sent += nbytes
+        else:
+            stats.messages_received += 1
+            stats.bytes_received += nbytes
+
+    def isend(self, tensor: torch.Tensor, to: int, tag: int = 0) -> Work:
+        self._count(tensor, sent=True)
+        return dist.isend(tensor, self.global_rank(to), group=self.group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Work:
+        self._count(tensor, sent=False)
+        return dist.irecv(tensor, self.global_rank(source), group=self.group, tag=tag)
+
+    def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
+        """Send ``send`` to ``to`` while receiving into ``recv`` from ``source``, as one batch
+        (on NCCL two separate calls on the same pair of ranks can deadlock)."""
+        ops = []
+        if send.numel():
+            self._count(send, sent=True)
+            ops.append(dist.P2POp(dist.isend, send, self.global_rank(to), self.group))
+        if recv.numel():
+            self._count(recv, sent=False)
+            ops.append(dist.P2POp(dist.irecv, recv, self.global_rank(source), self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+def _check(tensor: torch.Tensor, op: ReduceOp) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if op not in _SUPPORTED_OPS:
+        raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op}")
+    if op == ReduceOp.AVG and not tensor.is_floating_point():
+        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+
+
+def _in_place(tensor: torch.Tensor, body: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """Run ``body`` on a flat contiguous view of ``tensor`` (through a copy if need be)."""
+    if tensor.is_contiguous():
+        body(tensor.view(-1))
+    else:
+        flat = tensor.contiguous().view(-1)
+        body(flat)
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def _finish(tensor: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+    if op == ReduceOp.AVG and world_size > 1:
+        tensor.div_(world_size)
+    return tensor
+
+
+# --- naive: reduce to a root, broadcast back --------------------------------------------------
+
+
+def naive_all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, root: int = 0, recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """All-reduce in place by sending every tensor to ``root``, which sums them in rank order
+    and sends the result back to each rank.
+
+    Cost: the root receives (N-1)·S and sends (N-1)·S, one message at a time through its one
+    link, so its time grows linearly with N while the other links sit idle; every other rank
+    sends S and receives S. 2(N-1) messages in all.
+    """
+    _check(tensor, op)
+    peers = _Peers.of(group, recorder)
+
+    def body(flat: torch.Tensor) -> None:
+        if peers.size == 1 or flat.numel() == 0:
+            return
+        if peers.rank == root:
+            incoming = torch.empty_like(flat)
+            total = torch.zeros_like(flat)
+            for source in range(peers.size):  # rank order, so the sum's rounding is fixed
+                if source == root:
+                    total.add_(flat)
+                    continue
+                peers.irecv(incoming, source).wait()
+                total.add_(incoming)
+            flat.copy_(total)
+            sends = [peers.isend(flat, dst) for dst in range(peers.size) if dst != root]
+            for work in sends:
+                work.wait()
+        else:
+            peers.isend(flat, root).wait()
+            peers.irecv(flat, root).wait()
+        _finish(flat, op, peers.size)
+
+    return _in_place(tensor, body)
+
+
+# --- the textbook mistake: whole tensors round the ring -------------------------------------
+
+
+def whole_tensor_ring_all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """A counter-example: every rank passes whole tensors round the ring N-1 times, adding
+    each arrival to its total.
+
+    It gives the right sum, but each rank sends (N-1)·S, against 2(N-1)/N·S for the real ring:
+    at N = 8 that is 7·S against 1.75·S. And because rank r adds the others' tensors in its own
+    order (r-1, r-2, ...), float rounding can leave the ranks holding slightly different
+    "sums", something the real ring cannot do (every chunk is summed once, then copied).
+    """
+    _check(tensor, op)
+    peers = _Peers.of(group, recorder)
+
+    def body(flat: torch.Tensor) -> None:
+        if peers.size == 1 or flat.numel() == 0:
+            return
+        passing, arriving = flat.clone(), torch.empty_like(flat)
+        for _ in range(peers.size - 1):
+            peers.exchange(passing, peers.rank + 1, arriving, peers.rank - 1)
+            flat.add_(arriving)
+            passing, arriving = arriving, passing
+        _finish(flat, op, peers.size)
+
+    return _in_place(tensor, body)
+
+
+# --- the ring ------------------------------------------------------------------------------
+
+
+@dataclass
+class _RingStep:
+    """One step of a ring pass on this rank. ``send`` goes right; the chunk from the left lands
+    in ``land`` (``None``: a scratch buffer) and ``result = landed + addend`` (or just the
+    landed bytes when ``addend`` is None). A step's ``result`` is the next step's ``send``."""
+
+    phase: Phase
+    step: int
+    sent_chunk: int
+    received_chunk: int
+    send: torch.Tensor
+    land: torch.Tensor | None
+    result: torch.Tensor
+    addend: torch.Tensor | None
+    #: ``land`` reuses memory that this earlier step sent from: wait for that send first.
+    land_after_send_of: int | None = None
+
+
+def _reduce_scatter_steps(
+    flat: torch.Tensor, bounds: list[int], rank: int, *, out_of_place: bool
+) -> tuple[list[_RingStep], torch.Tensor]:
+    """The N-1 reduce-scatter steps. At step k rank r sends chunk (r-k-1) mod N and receives
+    chunk (r-k-2) mod N, adding its own contribution; after the last step (k = N-2) the chunk
+    it has just finished is chunk r. Returns the steps and the tensor that ends up holding
+    chunk r.
+
+    In place (all-reduce), partial sums accumulate in ``flat`` itself. Out of place (a
+    stand-alone reduce-scatter), the input is left untouched and partial sums live in two
+    chunk-sized accumulators used in turn, so the extra memory is 2/N of the input, not 1x.
+    """
+    n = len(bounds) - 1
+
+    def chunk(i: int) -> torch.Tensor:
+        i %= n
+        return flat[bounds[i]:bounds[i + 1]]
+
+    longest = max(bounds[i + 1] - bounds[i] for i in range(n))
+    accumulators = (
+        [torch.empty(longest, dtype=flat.dtype, device=flat.device) for _ in range(2)]
+        if out_of_place else []
+    )
+    steps: list[_RingStep] = []
+    send = chunk(rank - 1)
+    for k in range(n - 1):
+        received = (rank - k - 2) % n
+        own = chunk(received)
+        if out_of_place:
+            land = accumulators[k % 2][: own.numel()]
+            result, addend = land, own
+            after = k - 1 if k >= 2 else None
+        else:
+            land, result, addend, after = None, own, own, None
+        steps.append(_RingStep(Phase.REDUCE_SCATTER, k, (rank - k - 1) % n, received, send,
+                               land, result, addend, after))
+        send = result
+    return steps, send
+
+
+def _all_gather_steps(
+    flat: torch.Tensor, bounds: list[int], rank: int, first_send: torch.Tensor
+) -> list[_RingStep]:
+    """The N-1 all-gather steps: at step k rank r forwards chunk (r-k) mod N (at step 0 its
+    own, ``first_send``) and receives chunk (r-k-1) mod N straight into place."""
+    n = len(bounds) - 1
+    steps: list[_RingStep] = []
+    send = first_send
+    for k in range(n - 1):
+        received = (rank - k - 1) % n
+        dest = flat[bounds[received]:bounds[received + 1]]
+        steps.append(_RingStep(Phase.ALL_GATHER, k, (rank - k) % n, received, send, dest, dest,
+                               None))
+        send = dest
+    return steps
+
+
+def _combine(step: _RingStep, landed: torch.Tensor, start: int, stop: int) -> None:
+    if step.addend is not None:
+        torch.add(step.addend[start:stop], landed, out=step.result[start:stop])
+
+
+def _values(tensor: torch.Tensor) -> tuple[float, ...]:
+    return tuple(float(v) for v in tensor.detach().float().cpu())
+
+
+def _run_lockstep(peers: _Peers, steps: list[_RingStep]) -> None:
+    """One message each way per step, each step finished before the next: the ring as the
+    textbook draws it (and what NCCL tensors use here)."""
+    longest = max((s.result.numel() for s in steps), default=0)
+    scratch = torch.empty(longest, dtype=steps[0].send.dtype, device=steps[0].send.device)
+    recorder = peers.recorder
+    for step in steps:
+        landed = scratch[: step.result.numel()] if step.land is None else step.land
+        sent = _values(step.send) if recorder is not None and recorder.trace else ()
+        peers.exchange(step.send, peers.rank + 1, landed, peers.rank - 1)
+        received = _values(landed) if recorder is not None and recorder.trace else ()
+        _combine(step, landed, 0, step.result.numel())
+        if recorder is not None and recorder.trace:
+            recorder.steps.append(RingStep(
+                peers.rank, step.phase, step.step, step.sent_chunk, step.received_chunk,
+                sent, received, _values(step.result),
+            ))
+
+
+def _run_pipelined(
+    peers: _Peers, steps: list[_RingStep], segment: int, window: int
+) -> None:
+    """The same steps cut into segments and overlapped: as soon as a segment of step k has
+    arrived and been combined it is sent on as that segment of step k+1, while later segments
+    are still in flight. Up to ``window`` incoming segments that land in scratch buffers are
+    posted ahead; segments that land in their final place (all-gather) are all posted at the
+    start, so the sender never waits for a receive to be posted. Messages are tagged with the
+    step so that early and late receives cannot be matched to the wrong message."""
+    events = [(i, start, stop) for i, step in enumerate(steps)
+              for start, stop in _segments(step.result.numel(), segment)]
+    dtype, device = steps[0].send.dtype, steps[0].send.device
+    scratch = [torch.empty(min(segment, max(s.result.numel() for s in steps)), dtype=dtype,
+                           device=device) for _ in range(window)]
+    uses_scratch = [steps[i].land is None for i, _, _ in events]
+    scratch_events = [e for e in range(len(events)) if uses_scratch[e]]
+    slot = {e: n % window for n, e in enumerate(scratch_events)}
+    sends: dict[tuple[int, int], Work] = {}
+    recvs: dict[int, tuple[Work, torch.Tensor]] = {}
+
+    def post_send(i: int, start: int, stop: int) -> None:
+        sends[(i, start)] = peers.isend(steps[i].send[start:stop], peers.rank + 1, tag=i)
+
+    def post_recv(e: int) -> None:
+        i, start, stop = events[e]
+        step = steps[i]
+        if step.land is None:
+            target = scratch[slot[e]][: stop - start]
+        else:
+            if step.land_after_send_of is not None:
+                earlier = sends.pop((step.land_after_send_of, start), None)
+                if earlier is not None:
+                    earlier.wait()
+            target = step.land[start:stop]
+        recvs[e] = (peers.irecv(target, peers.rank - 1, tag=i), target)
+
+    ahead = scratch_events[:window]
+    direct = [e for e in range(len(events))
+              if not uses_scratch[e] and steps[events[e][0]].land_after_send_of is None]
+    for e in sorted(ahead + direct):
+        post_recv(e)
+    for start, stop in _segments(steps[0].send.numel(), segment):
+        post_send(0, start, stop)
+    next_scratch = len(ahead)
+    for e, (i, start, stop) in enumerate(events):
+        if e not in recvs:
+            post_recv(e)
+        work, landed = recvs.pop(e)
+        work.wait()
+        _combine(steps[i], landed, start, stop)
+        if uses_scratch[e] and next_scratch < len(scratch_events):
+            post_recv(scratch_events[next_scratch])  # reuses the scratch buffer just freed
+            next_scratch += 1
+        if i + 1 < len(steps):
+            post_send(i + 1, start, stop)
+    for work in sends.values():
+        work.wait()
+
+
+def _run_ring(
+    peers: _Peers, steps: list[_RingStep], segment_bytes: int | None, window: int
+) -> None:
+    if not steps:
+        return
+    trace = peers.recorder is not None and peers.recorder.trace
+    if segment_bytes is None or trace or steps[0].send.device.type != "cpu":
+        _run_lockstep(peers, steps)
+    else:
+        element = steps[0].send.element_size()
+        _run_pipelined(peers, steps, max(1, segment_bytes // element), max(1, window))
+
+
+def ring_all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, recorder: Recorder | None = None, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+    window: int = DEFAULT_WINDOW,
+) -> torch.Tensor:
+    """Bandwidth-optimal all-reduce in place: a ring reduce-scatter, then a ring all-gather,
+    over N chunks.
+
+    Reduce-scatter step k (k = 0..N-2): rank r sends chunk (r-k-1) mod N to rank r+1 and adds
+    the chunk (r-k-2) mod N that rank r-1 sends it; after N-1 steps rank r owns chunk r summed
+    over all ranks. All-gather step k: rank r sends chunk (r-k) mod N on and stores chunk
+    (r-k-1) mod N. Each rank sends and receives 2(N-1) chunks of S/N bytes, 2(N-1)/N·S in all,
+    whatever N is. Every chunk is summed once, by one rank, and copied everywhere else, so all
+    ranks end with bit-identical values.
+
+    On CPU, chunks are cut into ``segment_bytes`` segments and pipelined (see
+    :func:`_run_pipelined`); ``segment_bytes=None`` runs the plain lock-step ring (always
+    used for CUDA tensors and when ``recorder.trace`` is on).
+    """
+    _check(tensor, op)
+    peers = _Peers.of(group, recorder)
+
+    def body(flat: torch.Tensor) -> None:
+        if peers.size == 1 or flat.numel() == 0:
+            return
+        bounds = shard_bounds(flat.numel(), peers.size)
+        scatter, mine = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=False)
+        _run_ring(peers, scatter + _all_gather_steps(flat, bounds, peers.rank, mine),
+                  segment_bytes, window)
+        _finish(flat, op, peers.size)
+
+    return _in_place(tensor, body)
+
+
+def ring_reduce_scatter(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, recorder: Recorder | None = None, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+    window: int = DEFAULT_WINDOW,
+) -> torch.Tensor:
+    """Reduce-scatter by ring: returns a new 1-D tensor holding chunk r (``shard_bounds``) of
+    the sum over ranks of the flattened ``tensor``, which is left unchanged.
+
+    This is the first phase of :func:`ring_all_reduce`: N-1 steps, each rank sends and
+    receives (N-1)/N·S. The result holds S/N bytes; while it runs a rank also holds two
+    chunk-sized accumulators (2S/N).
+    """
+    _check(tensor, op)
+    peers = _Peers.of(group, recorder)
+    flat = tensor.detach().reshape(-1)
+    bounds = shard_bounds(flat.numel(), peers.size)
+    mine = flat[bounds[peers.rank]:bounds[peers.rank + 1]]
+    if peers.size == 1 or flat.numel() == 0:
+        return _finish(mine.clone(), op, peers.size)
+    steps, shard = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=True)
+    _run_ring(peers, steps, segment_bytes, window)
+    return _finish(shard.clone(), op, peers.size)  # its own storage: S/N bytes, not 2S/N
+
+
+def ring_all_gather(
+    shard: torch.Tensor, group: ProcessGroup | None = None, *, numel: int | None = None,
+    recorder: Recorder | None = None, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+    window: int = DEFAULT_WINDOW,
+) -> torch.Tensor:
+    """All-gather by ring: returns a new 1-D tensor, the concatenation of every rank's
+    ``shard`` in rank order.
+
+    ``numel`` is the length of the result. Leave it ``None`` when every shard has this rank's
+    length (torch's ``all_gather_into_tensor``); pass it to gather the uneven shards that
+    :func:`ring_reduce_scatter` returns (rank i then must hold chunk i of ``shard_bounds``).
+    The second phase of :func:`ring_all_reduce`: N-1 steps, each rank sends and receives
+    (N-1)/N·S, where S is the size of the result.
+    """
+    if not isinstance(shard, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(shard).__name__}")
+    peers = _Peers.of(group, recorder)
+    flat_shard = shard.detach().reshape(-1)
+    if numel is None:
+        numel = flat_shard.numel() * peers.size
+    bounds = shard_bounds(numel, peers.size)
+    expected = bounds[peers.rank + 1] - bounds[peers.rank]
+    if flat_shard.numel() != expected:
+        raise ValueError(
+            f"rank {peers.rank}: shard has {flat_shard.numel()} elements but chunk "
+            f"{peers.rank} of {numel} over {peers.size} ranks has {expected} (shard_bounds)."
+        )
+    out = torch.empty(numel, dtype=shard.dtype, device=shard.device)  # 1-D, S bytes
+    mine = out[bounds[peers.rank]:bounds[peers.rank + 1]]
+    mine.copy_(flat_shard)
+    if peers.size > 1 and numel:
+        _run_ring(peers, _all_gather_steps(out, bounds, peers.rank, mine), segment_bytes, window)
+    return out
+
+
+# --- recursive doubling ----------------------------------------------------------------------
+
+
+def recursive_doubling_all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """All-reduce in place in log2 N rounds: in round j rank r swaps its whole partial sum with
+    rank r XOR 2^j and adds. After round j each rank holds the sum over a block of 2^(j+1)
+    ranks, so log2 N rounds cover everyone. Each rank sends log2(N)·S: more bytes than the ring
+    once N > 2, but only log2 N message latencies instead of 2(N-1), so it wins on small
+    messages.
+
+    When N is not a power of two, let P be the largest power of two below N and R = N - P.
+    First the ranks 0..2R-1 pair up: each even rank sends its tensor to the odd rank after it
+    and sits out; P ranks remain and run the rounds; then each odd rank sends the result back.
+    That costs two extra message latencies and S more for the paired ranks.
+    """
+    _check(tensor, op)
+    peers = _Peers.of(group, recorder)
+
+    def body(flat: torch.Tensor) -> None:
+        n, r = peers.size, peers.rank
+        if n == 1 or flat.numel() == 0:
+            return
+        power = 1 << (n.bit_length() - 1)
+        extra = n - power
+        incoming = torch.empty_like(flat)
+        if r < 2 * extra and r % 2 == 0:  # hand my tensor to r+1, wait for the answer
+            peers.isend(flat, r + 1).wait()
+            peers.irecv(flat, r + 1).wait()
+            _finish(flat, op, n)
+            return
+        if r < 2 * extra:  # odd: fold in the even rank before me
+            peers.irecv(incoming, r - 1).wait()
+            flat.add_(incoming)
+        virtual = r // 2 if r < 2 * extra else r - extra  # 0..P-1
+
+        def real(v: int) -> int:
+            return 2 * v + 1 if v < extra else v + extra
+
+        mask = 1
+        while mask < power:
+            partner = real(virtual ^ mask)
+            peers.exchange(flat, partner, incoming, partner)
+            flat.add_(incoming)  # a + b == b + a in IEEE, so both partners get the same bits
+            mask <<= 1
+        if r < 2 * extra:
+            peers.isend(flat, r - 1).wait()
+        _finish(flat, op, n)
+
+    return _in_place(tensor, body)
+
+
+# --- choosing an algorithm -------------------------------------------------------------------
+
+
+class Algorithm(enum.Enum):
+    """The algorithms the chapters compare, with torch's built-in collective as the baseline."""
+
+    NAIVE = "naive"  #: :func:`naive_all_reduce` (all-reduce only)
+    WHOLE_TENSOR_RING = "whole-tensor ring"  #: :func:`whole_tensor_ring_all_reduce` (idem)
+    RING = "ring"  #: :func:`ring_all_reduce`, :func:`ring_reduce_scatter`, :func:`ring_all_gather`
+    RECURSIVE_DOUBLING = "recursive doubling"  #: :func:`recursive_doubling_all_reduce` (idem)
+    TORCH = "torch"  #: torch.distributed's own collective (gloo or NCCL picks its algorithm)
+
+
+class Collective(enum.Enum):
+    """The three collectives of chapters 2-4."""
+
+    ALL_REDUCE = "all-reduce"  #: every rank ends with the reduction of the whole tensor
+    REDUCE_SCATTER = "reduce-scatter"  #: rank r ends with chunk r of the reduction
+    ALL_GATHER = "all-gather"  #: every rank ends with all ranks' chunks, concatenated
+
+    def bus_factor(self, world_size: int) -> float:
+        """nccl-tests' bus-bandwidth factor: busbw = algbw x factor, with S the full array.
+        Each rank must move this fraction of S over its link at the least, so busbw is
+        comparable with the link's speed whatever N is."""
+        if world_size < 2:
+            return 0.0
+        per_phase = (world_size - 1) / world_size
+        return 2 * per_phase if self is Collective.ALL_REDUCE else per_phase
+
+    def algorithms(self) -> tuple[Algorithm, ...]:
+        """The algorithms that implement this collective here."""
+        if self is Collective.ALL_REDUCE:
+            return tuple(Algorithm)
+        return (Algorithm.RING, Algorithm.TORCH)
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, algorithm: Algorithm = Algorithm.RING, recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place with the chosen algorithm; returns ``tensor``."""
+    if algorithm is Algorithm.TORCH:
+        _check(tensor, op)
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    fn = {
+        Algorithm.NAIVE: naive_all_reduce,
+        Algorithm.WHOLE_TENSOR_RING: whole_tensor_ring_all_reduce,
+        Algorithm.RING: ring_all_reduce,
+        Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
+    }[algorithm]
+    return fn(tensor, op, group, recorder=recorder)
+
+
+def _only_ring_or_torch(collective: Collective, algorithm: Algorithm) -> None:
+    if algorithm not in collective.algorithms():
+        names = ", ".join(a.name for a in collective.algorithms())
+        raise ValueError(
+            f"{collective.value} is implemented by {names} here; {algorithm.name} is an "
+            "all-reduce algorithm: pass algorithm=Algorithm.RING or Algorithm.TORCH."
+        )
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+    *, algorithm: Algorithm = Algorithm.RING, recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """Chunk r (``shard_bounds``) of the reduction of the flattened ``tensor``, as a new 1-D
+    tensor; ``tensor`` is unchanged. ``Algorithm.TORCH`` uses ``reduce_scatter_tensor`` (on
+    a zero-padded copy when numel does not divide by N)."""
+    _only_ring_or_torch(Collective.REDUCE_SCATTER, algorithm)
+    if algorithm is Algorithm.RING:
+        return ring_reduce_scatter(tensor, op, group, recorder=recorder)
+    _check(tensor, op)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    flat = tensor.detach().reshape(-1)
+    bounds = shard_bounds(flat.numel(), n)
+    longest = bounds[1] - bounds[0]
+    padded = torch.zeros(longest * n, dtype=flat.dtype, device=flat.device)
+    for i in range(n):  # chunk i at i*longest, so torch's even split matches ours
+        padded[i * longest: i * longest + bounds[i + 1] - bounds[i]] = flat[bounds[i]:bounds[i + 1]]
+    out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_tensor(out, padded, op=op, group=group)
+    return out[: bounds[r + 1] - bounds[r]].clone()
+
+
+def all_gather(
+    shard: torch.Tensor, group: ProcessGroup | None = None, *, numel: int | None = None,
+    algorithm: Algorithm = Algorithm.RING, recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """Every rank's ``shard`` concatenated in rank order, as a new 1-D tensor (see
+    :func:`ring_all_gather` for ``numel``). ``Algorithm.TORCH`` uses
+    ``all_gather_into_tensor`` (through padded shards when they are uneven)."""
+    _only_ring_or_torch(Collective.ALL_GATHER, algorithm)
+    if algorithm is Algorithm.RING:
+        return ring_all_gather(shard, group, numel=numel, recorder=recorder)
+    n = dist.get_world_size(group)
+    flat = shard.detach().reshape(-1)
+    total = flat.numel() * n if numel is None else numel
+    bounds = shard_bounds(total, n)
+    longest = bounds[1] - bounds[0]
+    padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    gathered = torch.empty(longest * n, dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    return torch.cat([gathered[i * longest: i * longest + bounds[i + 1] - bounds[i]]
+                      for i in range(n)])
