@@ -27,7 +27,7 @@ test: book
 
 # Re-execute the notebooks in place: their committed outputs are what nbval compares against.
 notebooks: $(STAMP)
-	$(BIN)/python tools/make_ch01.py
+	for script in tools/make_ch*.py; do $(BIN)/python $$script || exit 1; done
 	$(BIN)/jupyter execute --inplace --timeout=600 notebooks/*.ipynb
 
 lint: $(STAMP)
@@ -35,6 +35,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m labs.bench launch
+	$(BIN)/python -m labs.bench collectives
 
 clean:
 	rm -rf _build

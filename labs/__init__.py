@@ -4,9 +4,13 @@ The library the book's notebooks import. Modules follow the chapters:
 
 * :mod:`labs.launch` - run ``fn(rank, world_size, ...)`` on N real ranks (every chapter).
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
+* :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
+  point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces.
+* :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model fitted on this machine.
+* :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
 * :mod:`labs.checks` - the exercise checks, run on real ranks.
 * :mod:`labs.viz`, :mod:`labs.widgets` - tables, figures and widget panels.
-* :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``).
+* :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``).
 """
 
 from labs.launch import (

@@ -4,6 +4,10 @@ Every check follows the same shape: build inputs whose right answer the parent c
 on its own, launch the learner's function on several world sizes, compare, and explain the
 most likely mistake when the answer is wrong. The verdict's first line is ``PASS: ...`` or
 ``FAIL: ...`` and depends only on the learner's code and the check's seed.
+
+Exercise 1.1 lives here; the checks of chapters 2-4 (``check_ring_all_reduce``,
+``check_ring_reduce_scatter``, ``check_ring_all_gather``, ``check_composed_all_reduce``) live in
+:mod:`labs.checks_collectives` and are importable from here too.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def check_average_gradients(
         try:
             results = launch(
                 _run_average_gradients, world_size, args=(average_gradients, seed),
-                timeout=timeout, echo=False,
+                timeout=timeout, echo=False, backend="gloo",  # CPU tensors, even on GPU boxes
             )
         except RankError as err:
             hint = (
@@ -142,3 +146,22 @@ def _judge_average(
                 )
             return f"rank {rank}: {param}.grad is not the mean over ranks."
     return ""
+
+
+# --- Exercises 2.1-4.2: the collectives, in labs.checks_collectives ----------------------------
+
+#: Re-exported here so that notebooks import every check from one place.
+_COLLECTIVE_CHECKS = (
+    "check_ring_all_reduce", "check_ring_reduce_scatter", "check_ring_all_gather",
+    "check_composed_all_reduce", "CollectiveUsedError", "Exercise",
+)
+
+
+def __getattr__(name: str) -> object:
+    # Imported on first use rather than at the top: labs.checks_collectives imports
+    # CheckResult from this module, so an eager import here would be circular.
+    if name in _COLLECTIVE_CHECKS:
+        from labs import checks_collectives
+
+        return getattr(checks_collectives, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

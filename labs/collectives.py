@@ -366,7 +366,8 @@ def _values(tensor: torch.Tensor) -> tuple[float, ...]:
 def _run_lockstep(peers: _Peers, steps: list[_RingStep]) -> None:
     """One message each way per step, each step finished before the next: the ring as the
     textbook draws it (and what NCCL tensors use here)."""
-    longest = max((s.result.numel() for s in steps), default=0)
+    # Scratch only where a step lands there (the in-place reduce-scatter of an all-reduce).
+    longest = max((s.result.numel() for s in steps if s.land is None), default=0)
     scratch = torch.empty(longest, dtype=steps[0].send.dtype, device=steps[0].send.device)
     recorder = peers.recorder
     for step in steps:
@@ -394,10 +395,12 @@ def _run_pipelined(
     events = [(i, start, stop) for i, step in enumerate(steps)
               for start, stop in _segments(step.result.numel(), segment)]
     dtype, device = steps[0].send.dtype, steps[0].send.device
-    scratch = [torch.empty(min(segment, max(s.result.numel() for s in steps)), dtype=dtype,
-                           device=device) for _ in range(window)]
     uses_scratch = [steps[i].land is None for i, _, _ in events]
     scratch_events = [e for e in range(len(events)) if uses_scratch[e]]
+    longest = max((stop - start for e, (_, start, stop) in enumerate(events) if uses_scratch[e]),
+                  default=0)
+    scratch = [torch.empty(longest, dtype=dtype, device=device)
+               for _ in range(min(window, len(scratch_events)))]
     slot = {e: n % window for n, e in enumerate(scratch_events)}
     sends: dict[tuple[int, int], Work] = {}
     recvs: dict[int, tuple[Work, torch.Tensor]] = {}
@@ -412,9 +415,10 @@ def _run_pipelined(
             target = scratch[slot[e]][: stop - start]
         else:
             if step.land_after_send_of is not None:
-                earlier = sends.pop((step.land_after_send_of, start), None)
-                if earlier is not None:
-                    earlier.wait()
+                # Every earlier send of this segment, not only the last step's: when a step
+                # between had an empty chunk, the send that read this memory is older.
+                for key in [k for k in sends if k[1] == start and k[0] <= step.land_after_send_of]:
+                    sends.pop(key).wait()
             target = step.land[start:stop]
         recvs[e] = (peers.irecv(target, peers.rank - 1, tag=i), target)
 
@@ -502,7 +506,7 @@ def ring_reduce_scatter(
     """
     _check(tensor, op)
     peers = _Peers.of(group, recorder)
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach().reshape(-1).contiguous()
     bounds = shard_bounds(flat.numel(), peers.size)
     mine = flat[bounds[peers.rank]:bounds[peers.rank + 1]]
     if peers.size == 1 or flat.numel() == 0:
@@ -644,8 +648,8 @@ def all_reduce(
     """All-reduce ``tensor`` in place with the chosen algorithm; returns ``tensor``."""
     if algorithm is Algorithm.TORCH:
         _check(tensor, op)
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
+        _Peers.of(group, recorder)
+        return _in_place(tensor, lambda flat: dist.all_reduce(flat, op=op, group=group))
     fn = {
         Algorithm.NAIVE: naive_all_reduce,
         Algorithm.WHOLE_TENSOR_RING: whole_tensor_ring_all_reduce,
@@ -675,16 +679,35 @@ def reduce_scatter(
     if algorithm is Algorithm.RING:
         return ring_reduce_scatter(tensor, op, group, recorder=recorder)
     _check(tensor, op)
+    _Peers.of(group, recorder)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.detach().reshape(-1)
     bounds = shard_bounds(flat.numel(), n)
     longest = bounds[1] - bounds[0]
+    if longest * n == flat.numel():  # even chunks: no padded copy
+        out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
+        _torch_reduce_scatter(out, flat.contiguous(), op, group)
+        return out
     padded = torch.zeros(longest * n, dtype=flat.dtype, device=flat.device)
     for i in range(n):  # chunk i at i*longest, so torch's even split matches ours
         padded[i * longest: i * longest + bounds[i + 1] - bounds[i]] = flat[bounds[i]:bounds[i + 1]]
     out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(out, padded, op=op, group=group)
+    _torch_reduce_scatter(out, padded, op, group)
     return out[: bounds[r + 1] - bounds[r]].clone()
+
+
+def _torch_reduce_scatter(
+    out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup | None
+) -> None:
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns);
+    # torch 2.4 has only the old one.
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, tensor, op=op, group=group)
+
+
+def _torch_all_gather(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, shard, group=group)
 
 
 def all_gather(
@@ -697,14 +720,19 @@ def all_gather(
     _only_ring_or_torch(Collective.ALL_GATHER, algorithm)
     if algorithm is Algorithm.RING:
         return ring_all_gather(shard, group, numel=numel, recorder=recorder)
+    _Peers.of(group, recorder)
     n = dist.get_world_size(group)
     flat = shard.detach().reshape(-1)
     total = flat.numel() * n if numel is None else numel
     bounds = shard_bounds(total, n)
     longest = bounds[1] - bounds[0]
+    if longest * n == total:  # even shards: gather straight into the result
+        out = torch.empty(total, dtype=flat.dtype, device=flat.device)
+        _torch_all_gather(out, flat.contiguous(), group)
+        return out
     padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     gathered = torch.empty(longest * n, dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    _torch_all_gather(gathered, padded, group)
     return torch.cat([gathered[i * longest: i * longest + bounds[i + 1] - bounds[i]]
                       for i in range(n)])

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
+from labs.bench import SweepSettings, format_size, run_sweep, sweep_tables
+from labs.collectives import Algorithm, Collective
 from labs.launch import launch
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
-from labs.viz import plot_toy_allreduce, toy_table
+from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
 
 
 def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
@@ -42,3 +47,95 @@ def toy_allreduce_panel(world_size: int = 4, seed: int = 0) -> None:
     button.on_click(run)
     display(w.VBox([w.HBox([size, seed_box, button]), out]))
     show_toy_run(world_size, ToyAllReduceConfig(seed=seed))
+
+
+# --- chapters 2-4: time a collective --------------------------------------------------------
+
+#: The message sizes the collective panel offers.
+PANEL_SIZES: tuple[int, ...] = tuple(4 << (2 * i + 10) for i in range(7))  # 4 KiB .. 16 MiB
+
+
+def sweep_command(settings: SweepSettings) -> str:
+    """The shell command that runs the same experiment as ``settings`` (gloo)."""
+    collectives = " ".join(c.value for c in settings.collectives)
+    algorithms = ("" if settings.algorithms is None else " --algorithms "
+                  + " ".join(a.value.replace(" ", "-") for a in settings.algorithms))
+    return (f"python -m labs.bench collectives --collectives {collectives}{algorithms} "
+            f"--sizes {' '.join(format_size(s) for s in settings.sizes)} "
+            f"--world-sizes {' '.join(map(str, settings.world_sizes))} "
+            f"--iters {settings.iters} --warmup {settings.warmup}")
+
+
+def panel_settings(
+    collective: Collective, world_size: int, size_bytes: int,
+    algorithms: Sequence[Algorithm] | None = None, iters: int = 5, warmup: int = 1,
+) -> SweepSettings:
+    """The settings a :func:`collective_panel` run measures: one collective, one size, one
+    world size, the chosen algorithms (default: every one the collective supports). Raises
+    ValueError, saying what to change, for a combination that cannot run."""
+    chosen = collective.algorithms() if algorithms is None else tuple(algorithms)
+    if not chosen:
+        raise ValueError("choose at least one algorithm to time.")
+    wrong = [a for a in chosen if a not in collective.algorithms()]
+    if wrong:
+        names = ", ".join(a.value for a in collective.algorithms())
+        raise ValueError(f"{collective.value} is implemented here by {names}; "
+                         f"{wrong[0].value} is not one of them.")
+    return SweepSettings(collectives=(collective,), algorithms=tuple(dict.fromkeys(chosen)),
+                         sizes=(size_bytes,), world_sizes=(world_size,), iters=iters,
+                         warmup=warmup)
+
+
+def show_collective_run(settings: SweepSettings) -> None:
+    """Run ``settings`` on real ranks, then print the nccl-tests style table and draw the
+    time and bus-bandwidth bars."""
+    start = time.perf_counter()
+    timings = run_sweep(settings)
+    took = time.perf_counter() - start
+    print(f"{len(timings)} case(s) on {settings.world_sizes[0]} real ranks in {took:.1f} s "
+          f"(launch included); the same from a shell:\n  {sweep_command(settings)}\n")
+    print(sweep_tables(timings))
+    fig = plot_collective_bars(timings)
+    display(fig)
+    plt.close(fig)
+
+
+def collective_panel(
+    collective: Collective, world_size: int = 4, size_bytes: int = 1 << 20,
+    algorithms: Sequence[Algorithm] | None = None, iters: int = 5,
+) -> None:
+    """World size, message size and algorithms for ``collective``, and a run button that times
+    them on real ranks (:func:`labs.bench.run_sweep`). The default run is shown at once, as
+    ordinary output (so a rendered page shows it); each click shows its own run in the panel.
+    A collective needs two ranks, so the world size starts at 2."""
+    default = panel_settings(collective, world_size, size_bytes, algorithms, iters)
+    options = [(format_size(s), s) for s in sorted({*PANEL_SIZES, size_bytes})]
+    size = w.IntSlider(value=world_size, min=2, max=8, description="world size")
+    message = w.Dropdown(options=options, value=size_bytes, description="size S",
+                         layout=w.Layout(width="180px"))
+    boxes = {a: w.Checkbox(value=a in default.algorithms_of(collective), description=a.value,
+                           indent=False, layout=w.Layout(width="auto"))
+             for a in collective.algorithms()}
+    button = w.Button(description="Run on real ranks", button_style="primary", icon="play")
+    out = w.Output()
+
+    def run(_: w.Button) -> None:
+        button.disabled, button.description = True, "Running..."
+        try:
+            with out:
+                out.clear_output(wait=True)
+                try:
+                    chosen = [a for a, box in boxes.items() if box.value]
+                    settings = panel_settings(collective, size.value, message.value, chosen,
+                                              iters)
+                except ValueError as err:
+                    print(f"Cannot run: {err}")
+                    return
+                show_collective_run(settings)
+        finally:
+            button.disabled, button.description = False, "Run on real ranks"
+
+    button.on_click(run)
+    display(w.VBox([w.HBox([size, message, button]),
+                    w.HBox([w.Label("algorithms:"), *boxes.values()]), out]))
+    show_collective_run(default)

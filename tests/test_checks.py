@@ -1,9 +1,27 @@
 """Every exercise check passes the reference solution and fails each typical wrong answer."""
 
-import pytest
-import torch.distributed as dist
+import functools
 
-from labs.checks import CheckResult, check_average_gradients
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import all_reduce as imported_all_reduce
+
+from labs.checks import (
+    CheckResult,
+    check_average_gradients,
+    check_composed_all_reduce,
+    check_ring_all_gather,
+    check_ring_all_reduce,
+    check_ring_reduce_scatter,
+)
+from labs.collectives import (
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    shard_bounds,
+    whole_tensor_ring_all_reduce,
+)
 
 
 def correct(model):
@@ -76,3 +94,400 @@ def test_a_hanging_answer_fails_after_the_timeout():
     result = check_average_gradients(rank_zero_skips_the_collective, timeout=3)
     assert not result.passed
     assert "hung" in result.message
+
+
+# --- Exercises 2.1-4.2: the collectives, built from point-to-point messages -------------------
+#
+# The wrong answers are what a learner writes: one ring, written plainly, with one mistake
+# switched on at a time. Wrong answers run on the fewest world sizes that expose them.
+
+def step(send, to, recv, source, blocking=False):
+    """One ring step: send right while receiving from the left."""
+    if blocking:  # every rank waits in recv first: nobody ever sends
+        if recv.numel():
+            dist.recv(recv, source)
+        if send.numel():
+            dist.send(send, to)
+        return
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, to))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, source))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
+def learner_bounds(numel, n, remainder_last=False):
+    if remainder_last:  # equal chunks of numel // n, the last one takes what is left
+        size = numel // n
+        return [i * size for i in range(n)] + [numel]
+    return shard_bounds(numel, n)
+
+
+def learner_all_reduce(tensor, *, skip_steps=0, gather=True, tail_ignored=False,
+                       blocking=False):
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1)
+    if tail_ignored:  # numel // n per chunk: the last numel % n elements are never reduced
+        size = flat.numel() // n
+        chunks = [flat[i * size:(i + 1) * size] for i in range(n)]
+    else:
+        chunks = list(torch.tensor_split(flat, n))
+    right, left = (r + 1) % n, (r - 1) % n
+    for k in range(n - 1 - skip_steps):
+        incoming = torch.empty_like(chunks[(r - k - 2) % n])
+        step(chunks[(r - k - 1) % n], right, incoming, left, blocking)
+        chunks[(r - k - 2) % n] += incoming
+    if gather:
+        for k in range(n - 1):
+            step(chunks[(r - k) % n].clone(), right, chunks[(r - k - 1) % n], left, blocking)
+
+
+def learner_reduce_scatter(tensor, *, shift=0, in_place=False, remainder_last=False,
+                           blocking=False, rows=False):
+    n, r = dist.get_world_size(), dist.get_rank()
+    if rows:  # forgets to flatten: a 2-D tensor is cut into blocks of rows
+        chunks = [c.clone() for c in torch.tensor_split(tensor, n)]
+    else:
+        flat = tensor.view(-1) if in_place else tensor.reshape(-1).clone()
+        bounds = learner_bounds(flat.numel(), n, remainder_last)
+        chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
+    right, left = (r + 1) % n, (r - 1) % n
+    for k in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - k - 2 + shift) % n])
+        step(chunks[(r - k - 1 + shift) % n], right, incoming, left, blocking)
+        chunks[(r - k - 2 + shift) % n] += incoming
+    return chunks[(r + shift) % n].clone()
+
+
+def learner_all_gather(shard, numel, *, skip_steps=0, equal_shards=False, blocking=False):
+    n, r = dist.get_world_size(), dist.get_rank()
+    if equal_shards:  # assumes every shard is as long as this rank's
+        numel = shard.numel() * n
+        bounds = [i * shard.numel() for i in range(n + 1)]
+    else:
+        bounds = shard_bounds(numel, n)
+    out = torch.zeros(numel)
+    chunks = [out[bounds[i]:bounds[i + 1]] for i in range(n)]
+    chunks[r].copy_(shard)
+    right, left = (r + 1) % n, (r - 1) % n
+    for k in range(n - 1 - skip_steps):
+        step(chunks[(r - k) % n], right, chunks[(r - k - 1) % n], left, blocking)
+    return out
+
+
+# Reference solutions, wrapped to the learner's signatures.
+
+def reference_all_reduce(tensor):
+    ring_all_reduce(tensor)
+
+
+def reference_reduce_scatter(tensor):
+    return ring_reduce_scatter(tensor)
+
+
+def reference_all_gather(shard, numel):
+    return ring_all_gather(shard, numel=numel)
+
+
+def reference_composed(tensor):
+    shard = ring_reduce_scatter(tensor)
+    tensor.copy_(ring_all_gather(shard, numel=tensor.numel()).view_as(tensor))
+
+
+# Wrong answers shared by several exercises.
+
+def uses_builtin_all_reduce(tensor):
+    dist.all_reduce(tensor)
+
+
+def uses_imported_all_reduce(tensor):
+    imported_all_reduce(tensor)  # imported before the check started: caught one level down
+
+
+def bypasses_point_to_point(tensor):
+    dist.group.WORLD._get_backend(tensor.device).allreduce([tensor]).wait()
+
+
+def whole_tensor_ring(tensor):
+    whole_tensor_ring_all_reduce(tensor)
+
+
+def returns_a_new_tensor(tensor):
+    out = tensor.clone()
+    ring_all_reduce(out)
+    return out
+
+
+def views_as_rows(tensor):
+    rows = tensor.view(dist.get_world_size(), -1)  # fails unless N divides numel
+    ring_all_reduce(rows)
+
+
+def raises_on_rank_one(tensor):
+    if dist.get_rank() == 1:
+        raise KeyError("my_bug")
+    ring_all_reduce(tensor)
+
+
+def takes_two_arguments(rank, tensor):
+    ring_all_reduce(tensor)
+
+
+@pytest.mark.parametrize(
+    ("check", "answer"),
+    [
+        (check_ring_all_reduce, reference_all_reduce),
+        (check_ring_all_reduce, learner_all_reduce),
+        (check_ring_reduce_scatter, reference_reduce_scatter),
+        (check_ring_reduce_scatter, learner_reduce_scatter),
+        (check_ring_all_gather, reference_all_gather),
+        (check_ring_all_gather, learner_all_gather),
+        (check_composed_all_reduce, reference_composed),
+    ],
+)
+def test_right_answers_pass(check, answer, capsys):
+    result = check(answer)
+    assert result.passed, result.message
+    assert capsys.readouterr().out.startswith("PASS: Exercise ")
+
+
+def assert_fails(result, capsys, exercise, *reasons):
+    assert isinstance(result, CheckResult)
+    assert not result.passed
+    for reason in reasons:
+        assert reason in result.message, result.message
+    assert capsys.readouterr().out.startswith(f"FAIL: Exercise {exercise}")
+
+
+@pytest.mark.parametrize(
+    ("answer", "world_sizes", "reasons"),
+    [
+        (uses_builtin_all_reduce, (2,),
+         ["use only point-to-point", "dist.all_reduce is the collective you are building"]),
+        (uses_imported_all_reduce, (2,), ["use only point-to-point", "ProcessGroup.allreduce"]),
+        (bypasses_point_to_point, (2,), ["sent only 0 bytes", "some other way"]),
+        (whole_tensor_ring, (2, 3), ["with 3 rank(s), numel 301", "rank 0 sent 2408 bytes",
+                                     "2(N-1)/N·S = 1605.3", "(N-1)·S"]),
+        (functools.partial(learner_all_reduce, gather=False), (3,),
+         ["with 3 rank(s), numel 300", "all-gather phase is missing"]),
+        (functools.partial(learner_all_reduce, skip_steps=1), (2, 3),
+         ["with 2 rank(s), numel 300", "missing rank(s)", "N-1 reduce-scatter steps"]),
+        (functools.partial(learner_all_reduce, tail_ignored=True), (1, 2, 3),
+         ["with 2 rank(s), numel 301", "element 300", "wrong for numel 1, 7, 301",
+          "torch.tensor_split / shard_bounds"]),
+        (returns_a_new_tensor, (2,), ["tensor is unchanged", "returned the sum as a new tensor",
+                                      "tensor.copy_"]),
+        (views_as_rows, (2,), ["with 2 rank(s), numel 1", "raised RuntimeError",
+                               "2 does not divide 1", "views_as_rows"]),
+        (raises_on_rank_one, (1, 3), ["with 3 rank(s), numel 3: rank 1 raised KeyError",
+                                      "my_bug", "raises_on_rank_one"]),
+        (takes_two_arguments, (2,), ["must accept 1 argument", "(rank, tensor)"]),
+    ],
+)
+def test_wrong_ring_all_reduce_fails(answer, world_sizes, reasons, capsys):
+    assert_fails(check_ring_all_reduce(answer, world_sizes), capsys, "2.1", *reasons)
+
+
+def uses_builtin_reduce_scatter(tensor):
+    n = dist.get_world_size()
+    flat = tensor.reshape(-1)
+    out = torch.empty(flat.numel() // n)
+    dist.reduce_scatter_tensor(out, flat)
+    return out
+
+
+def all_reduce_then_slice(tensor):
+    flat = tensor.reshape(-1).clone()
+    ring_all_reduce(flat)
+    bounds = shard_bounds(flat.numel(), dist.get_world_size())
+    return flat[bounds[dist.get_rank()]:bounds[dist.get_rank() + 1]]
+
+
+def returns_the_whole_sum(tensor):
+    flat = tensor.reshape(-1).clone()
+    ring_all_reduce(flat)
+    return flat
+
+
+@pytest.mark.parametrize(
+    ("answer", "world_sizes", "reasons"),
+    [
+        (uses_builtin_reduce_scatter, (2,),
+         ["dist.reduce_scatter_tensor is the collective you are building"]),
+        (all_reduce_then_slice, (2,), ["with 2 rank(s), numel 301", "the values are right",
+                                       "(N-1)/N·S = 602.0", "all-reduce followed by slicing"]),
+        (returns_the_whole_sum, (2,), ["returned the whole sum", "only chunk 0"]),
+        (functools.partial(learner_reduce_scatter, shift=1), (3,),
+         ["with 3 rank(s), numel 300: rank 0: returned chunk 1 of the sum, expected chunk 0",
+          "off by 1"]),
+        (functools.partial(learner_reduce_scatter, in_place=True), (2,),
+         ["input tensor was changed", "separate buffer"]),
+        (functools.partial(learner_reduce_scatter, remainder_last=True), (1, 2),
+         ["with 2 rank(s), numel 301: rank 0: returned 150 element(s), but chunk 0",
+          "has 151", "wrong for numel 1, 7, 301", "torch.tensor_split / shard_bounds"]),
+        (functools.partial(learner_reduce_scatter, rows=True), (3,),
+         ["with 3 rank(s), a 2-D tensor of shape (3, 6) (numel 18): rank 0: returned a tensor "
+          "of shape (1, 6)", "Only the 2-D input fails", "tensor.view(-1)"]),
+    ],
+)
+def test_wrong_ring_reduce_scatter_fails(answer, world_sizes, reasons, capsys):
+    assert_fails(check_ring_reduce_scatter(answer, world_sizes), capsys, "3.1", *reasons)
+
+
+def uses_builtin_all_gather(shard, numel):
+    out = torch.empty(shard.numel() * dist.get_world_size())
+    dist.all_gather_into_tensor(out, shard)
+    return out
+
+
+def gathers_at_rank_zero(shard, numel):
+    n, r = dist.get_world_size(), dist.get_rank()
+    bounds = shard_bounds(numel, n)
+    out = torch.empty(numel)
+    if r == 0:
+        out[bounds[0]:bounds[1]] = shard
+        for source in range(1, n):
+            if bounds[source + 1] > bounds[source]:
+                dist.recv(out[bounds[source]:bounds[source + 1]], source)
+        for dest in range(1, n):
+            dist.send(out, dest)
+    else:
+        if shard.numel():
+            dist.send(shard, 0)
+        dist.recv(out, 0)
+    return out
+
+
+def concatenates_in_arrival_order(shard, numel):
+    n, r = dist.get_world_size(), dist.get_rank()
+    bounds = shard_bounds(numel, n)
+    pieces, current = [shard], shard
+    for k in range(n - 1):
+        source_chunk = (r - k - 1) % n
+        incoming = torch.empty(bounds[source_chunk + 1] - bounds[source_chunk])
+        step(current, (r + 1) % n, incoming, (r - 1) % n)
+        pieces.append(incoming)
+        current = incoming
+    return torch.cat(pieces)
+
+
+def zeroes_its_shard(shard, numel):
+    out = ring_all_gather(shard, numel=numel)
+    shard.zero_()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("answer", "world_sizes", "reasons"),
+    [
+        (uses_builtin_all_gather, (2,),
+         ["dist.all_gather_into_tensor is the collective you are building"]),
+        (gathers_at_rank_zero, (2,), ["with 2 rank(s), numel 301", "rank 0 sent 1204 bytes",
+                                      "(N-1)/N·S = 602.0", "gathering at one rank"]),
+        (functools.partial(learner_all_gather, skip_steps=1), (2,),
+         ["with 2 rank(s), numel 300: rank 0: only its own shard (chunk 0) is in place"]),
+        (functools.partial(learner_all_gather, skip_steps=1), (4,),
+         ["with 4 rank(s), numel 300", "never arrived"]),
+        (concatenates_in_arrival_order, (2,),
+         ["rank 1: elements 0..149 hold rank 1's shard, expected rank 0's"]),
+        (functools.partial(learner_all_gather, equal_shards=True), (2,),
+         ["with 2 rank(s)", "shard_bounds"]),
+        (zeroes_its_shard, (2,), ["its shard was changed"]),
+    ],
+)
+def test_wrong_ring_all_gather_fails(answer, world_sizes, reasons, capsys):
+    assert_fails(check_ring_all_gather(answer, world_sizes), capsys, "4.1", *reasons)
+
+
+def reduce_scatter_only(tensor):
+    flat = tensor.view(-1)
+    bounds = shard_bounds(flat.numel(), dist.get_world_size())
+    flat[bounds[dist.get_rank()]:bounds[dist.get_rank() + 1]] = ring_reduce_scatter(tensor)
+
+
+def rebinds_the_name(tensor):
+    shard = ring_reduce_scatter(tensor)
+    tensor = ring_all_gather(shard, numel=tensor.numel()).view_as(tensor)  # noqa: F841
+
+
+def composes_builtin_reduce_scatter(tensor):
+    uses_builtin_reduce_scatter(tensor)
+
+
+@pytest.mark.parametrize(
+    ("answer", "world_sizes", "reasons"),
+    [
+        (reduce_scatter_only, (3,), ["all-gather half is missing"]),
+        (rebinds_the_name, (2,), ["tensor is unchanged", "rebinds"]),
+        (whole_tensor_ring, (3,), ["rank 0 sent 2408 bytes"]),
+        (composes_builtin_reduce_scatter, (2,), ["dist.reduce_scatter_tensor is a collective too"]),
+    ],
+)
+def test_wrong_composed_all_reduce_fails(answer, world_sizes, reasons, capsys):
+    assert_fails(check_composed_all_reduce(answer, world_sizes), capsys, "4.2", *reasons)
+
+
+@pytest.mark.parametrize(
+    ("check", "answer"),
+    [
+        (check_ring_all_reduce, functools.partial(learner_all_reduce, blocking=True)),
+        (check_ring_reduce_scatter, functools.partial(learner_reduce_scatter, blocking=True)),
+        (check_ring_all_gather, functools.partial(learner_all_gather, blocking=True)),
+    ],
+)
+def test_a_deadlocked_ring_fails_as_hung(check, answer):
+    result = check(answer, world_sizes=(1, 2), timeout=3)
+    assert not result.passed
+    assert "with 2 rank(s)" in result.message
+    assert "rank(s) 0, 1 hung" in result.message
+    assert "post the receive" in result.message
+    assert "batch_isend_irecv" in result.message
+
+
+def test_verdicts_are_deterministic(capsys):
+    wrong = functools.partial(learner_reduce_scatter, shift=1)
+    first = check_ring_reduce_scatter(wrong, world_sizes=(3,))
+    again = check_ring_reduce_scatter(wrong, world_sizes=(3,))
+    assert str(first) == str(again)
+    crash = [check_ring_all_reduce(raises_on_rank_one, world_sizes=(3,)) for _ in range(2)]
+    assert str(crash[0]) == str(crash[1])
+    right = [check_ring_all_gather(reference_all_gather, world_sizes=(1, 3)) for _ in range(2)]
+    assert str(right[0]) == str(right[1])
+
+
+def right_for_the_documented_numels_only(tensor):
+    if tensor.numel() <= 20 or tensor.numel() in (300, 301):
+        ring_all_reduce(tensor)
+
+
+def test_a_nonzero_seed_draws_hidden_cases_and_names_them(capsys):
+    shown = check_ring_all_reduce(right_for_the_documented_numels_only, world_sizes=(2,))
+    assert shown.passed, shown.message
+    hidden = check_ring_all_reduce(right_for_the_documented_numels_only, world_sizes=(2,),
+                                   seed=1)
+    assert not hidden.passed
+    assert "seed 1 drew world size" in hidden.message
+    assert "pass seed=1 to rerun" in hidden.message
+    other = check_ring_all_reduce(reference_all_reduce, world_sizes=(2,), seed=2)
+    assert other.passed
+    assert "seed 2 drew" in other.message
+    assert other.message.split("[seed")[1] != hidden.message.split("[seed")[1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"ring_all_reduce": None}, TypeError),
+        ({"ring_all_reduce": reference_all_reduce, "world_sizes": (0,)}, ValueError),
+        ({"ring_all_reduce": reference_all_reduce, "world_sizes": 3}, TypeError),
+        ({"ring_all_reduce": reference_all_reduce, "seed": "1"}, TypeError),
+        ({"ring_all_reduce": reference_all_reduce, "timeout": 0}, ValueError),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_rank_starts(kwargs, error, procs):
+    before = set(procs.descendants())
+    with pytest.raises(error):
+        check_ring_all_reduce(**kwargs)
+    assert set(procs.descendants()) <= before

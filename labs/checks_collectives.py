@@ -1,0 +1,776 @@
+"""Exercise checks for chapters 2-4: the learner's ring all-reduce, reduce-scatter, all-gather,
+and the all-reduce composed from the last two, each run on real ranks.
+
+Every check launches the learner's function once per world size and runs a list of cases in
+each launch: numel 1, N-1, N, a prime that N does not divide, 300 and 301, and (for the
+all-reduce and the reduce-scatter) a 2-D tensor. Inputs are small integers stored as
+float32, so every sum is exact and the comparison is ``torch.equal``. Inside every rank:
+
+* the collectives of ``torch.distributed`` (and the matching methods of ``ProcessGroup``)
+  raise :class:`CollectiveUsedError`: the exercise is to build them from point-to-point
+  messages;
+* ``ProcessGroup.send`` counts the bytes the rank sends, so the check can hold the answer to
+  the ring's volume: 2(N-1)/N·S per rank for an all-reduce, (N-1)/N·S for a reduce-scatter
+  or an all-gather, S being the size of the whole tensor, plus at most one element per
+  message when chunks are uneven (at most phases·(N-1)·ceil(numel/N) elements).
+
+``seed=0`` runs the documented cases; any other seed also draws three numels and one extra
+world size (up to 6) from ``random.Random(seed)``, and the verdict names them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import inspect
+import itertools
+import math
+import random
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from labs.checks import CHECK_TIMEOUT_S, CheckResult, _report
+from labs.collectives import Collective, shard_bounds
+from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, launch
+
+#: The collectives of torch.distributed a learner might reach for; inside a check each raises.
+_COLLECTIVES = (
+    "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+    "all_gather_into_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather",
+    "scatter", "_reduce_scatter_base", "_all_gather_base", "all_reduce_coalesced",
+    "all_gather_coalesced", "all_gather_object", "broadcast_object_list", "gather_object",
+    "scatter_object_list",
+)
+#: The same collectives as methods of ProcessGroup: they catch a function imported by name
+#: before the check started (``from torch.distributed import all_reduce``).
+_GROUP_COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall",
+    "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather", "scatter",
+)
+_P2P = "dist.isend/irecv, send/recv, batch_isend_irecv"
+#: Tagged onto an exception raised by the learner's code, so the parent knows the case.
+_CASE_NOTE = "[labs check] case"
+#: Inputs are integers in [1, 9]: sums over at most 32 ranks are exact in float32, and a sum
+#: over some of the ranks is smaller than the sum over all of them in every element.
+_LOW, _HIGH = 1, 10
+_BIG_NUMELS = (300, 301)  #: a few hundred elements: one divisible by N <= 6, one not
+_DRAWN_NUMELS = 3
+_DRAWN_MAX_NUMEL = 400
+_DRAWN_MAX_WORLD = 6
+
+
+class CollectiveUsedError(RuntimeError):
+    """Raised inside a check's ranks when the learner's code calls a built-in collective."""
+
+
+class Exercise(enum.Enum):
+    """The exercises of chapters 2-4 that these checks run."""
+
+    #: ``ring_all_reduce(tensor)``: sums ``tensor`` over all ranks, in place, by ring.
+    RING_ALL_REDUCE = "2.1"
+    #: ``ring_reduce_scatter(tensor) -> Tensor``: chunk r of the flattened sum, input unchanged.
+    RING_REDUCE_SCATTER = "3.1"
+    #: ``ring_all_gather(shard, numel) -> Tensor``: every rank's shard in rank order.
+    RING_ALL_GATHER = "4.1"
+    #: ``all_reduce(tensor)``: in place, a reduce-scatter followed by an all-gather.
+    COMPOSED_ALL_REDUCE = "4.2"
+
+    @property
+    def function(self) -> str:
+        return {
+            Exercise.RING_ALL_REDUCE: "ring_all_reduce",
+            Exercise.RING_REDUCE_SCATTER: "ring_reduce_scatter",
+            Exercise.RING_ALL_GATHER: "ring_all_gather",
+            Exercise.COMPOSED_ALL_REDUCE: "all_reduce",
+        }[self]
+
+    @property
+    def title(self) -> str:
+        return f"Exercise {self.value} {self.function}"
+
+    @property
+    def collective(self) -> Collective:
+        return {
+            Exercise.RING_ALL_REDUCE: Collective.ALL_REDUCE,
+            Exercise.RING_REDUCE_SCATTER: Collective.REDUCE_SCATTER,
+            Exercise.RING_ALL_GATHER: Collective.ALL_GATHER,
+            Exercise.COMPOSED_ALL_REDUCE: Collective.ALL_REDUCE,
+        }[self]
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        return ("shard", "numel") if self is Exercise.RING_ALL_GATHER else ("tensor",)
+
+    @property
+    def phases(self) -> int:
+        """Ring passes: 2 for an all-reduce (reduce-scatter, then all-gather), else 1."""
+        return 2 if self.collective is Collective.ALL_REDUCE else 1
+
+    def builds(self, name: str) -> bool:
+        """True when the torch.distributed function ``name`` is the collective being built."""
+        stem = {Collective.ALL_REDUCE: "all_reduce", Collective.REDUCE_SCATTER: "reduce_scatter",
+                Collective.ALL_GATHER: "all_gather"}[self.collective]
+        return name.replace("_", "").startswith(stem.replace("_", ""))
+
+
+# --- the cases ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One input shape; the values follow from (seed, world size, case index, rank)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def uneven(self, world_size: int) -> bool:
+        """True when numel does not divide by N (some chunks longer, or empty)."""
+        return self.numel % world_size != 0
+
+    def describe(self) -> str:
+        if len(self.shape) == 1:
+            return f"numel {self.numel}"
+        return f"a 2-D tensor of shape {tuple(self.shape)} (numel {self.numel})"
+
+
+def _prime_above(n: int) -> int:
+    """The smallest prime >= 2n+3: larger than n, so n (>= 2) does not divide it."""
+    p = 2 * n + 3
+    while any(p % d == 0 for d in range(2, math.isqrt(p) + 1)):
+        p += 1
+    return p
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one check runs: the world sizes and, per world size, the cases."""
+
+    seed: int
+    world_sizes: tuple[int, ...]
+    drawn_world_size: int | None
+    drawn_numels: tuple[int, ...]
+
+    @classmethod
+    def make(cls, world_sizes: Sequence[int], seed: int) -> _Plan:
+        sizes = tuple(world_sizes)
+        if seed == 0:
+            return cls(seed, sizes, None, ())
+        rng = random.Random(seed)
+        numels = tuple(rng.randint(1, _DRAWN_MAX_NUMEL) for _ in range(_DRAWN_NUMELS))
+        spare = [n for n in range(2, _DRAWN_MAX_WORLD + 1) if n not in sizes]
+        extra = rng.choice(spare) if spare else None
+        return cls(seed, sizes + ((extra,) if extra else ()), extra, numels)
+
+    def cases(self, exercise: Exercise, n: int) -> tuple[_Case, ...]:
+        """Divisible sizes first (N, 2-D, 300), then the awkward ones (1, N-1, a prime, 301),
+        then the drawn ones; duplicates dropped."""
+        shapes: list[tuple[int, ...]] = [(n,)]
+        if exercise is not Exercise.RING_ALL_GATHER:
+            shapes.append((3, 2 * n))
+        shapes += [(_BIG_NUMELS[0],), (1,), (n - 1,), (_prime_above(n),), (_BIG_NUMELS[1],)]
+        shapes += [(k,) for k in self.drawn_numels]
+        unique = dict.fromkeys(s for s in shapes if math.prod(s) > 0)
+        return tuple(_Case(s) for s in unique)
+
+    def note(self) -> str:
+        if self.seed == 0:
+            return ""
+        extra = f"world size {self.drawn_world_size} and " if self.drawn_world_size else ""
+        numels = ", ".join(map(str, self.drawn_numels))
+        return f" [seed {self.seed} drew {extra}numels {numels}; pass seed={self.seed} to rerun]"
+
+
+def _mix(*parts: int) -> int:
+    value = 0x9E3779B9
+    for part in parts:
+        value = (value * 1_000_003 + part + 7) % (1 << 61)
+    return value
+
+
+def _values(seed: int, n: int, index: int, who: int, numel: int) -> torch.Tensor:
+    """Small integers as float32, a pure function of its arguments (parent and ranks agree)."""
+    generator = torch.Generator().manual_seed(_mix(seed, n, index, who))
+    return torch.randint(_LOW, _HIGH, (numel,), generator=generator).to(torch.float32)
+
+
+def _rank_input(seed: int, n: int, index: int, rank: int, case: _Case) -> torch.Tensor:
+    """Rank ``rank``'s tensor (all-reduce, reduce-scatter)."""
+    return _values(seed, n, index, rank, case.numel).view(case.shape)
+
+
+def _gather_full(seed: int, n: int, index: int, case: _Case) -> torch.Tensor:
+    """The tensor whose chunks the all-gather ranks hold (rank i holds chunk i)."""
+    return _values(seed, n, index, -1, case.numel)
+
+
+# --- inside every rank ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Traffic:
+    """Bytes this rank sent through ProcessGroup.send since the last reset."""
+
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one rank saw in one case: its input after the call, what the call returned (a
+    copy, when a tensor), and the bytes it sent."""
+
+    after: torch.Tensor
+    returned: torch.Tensor | None
+    returned_type: str
+    bytes_sent: int
+
+
+def _refuse(exercise: Exercise, name: str, qualified: str) -> Callable[..., NoReturn]:
+    what = ("is the collective you are building" if exercise.builds(name)
+            else "is a collective too; build on your point-to-point code instead")
+
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise CollectiveUsedError(
+            f"Exercise {exercise.value}: use only point-to-point calls ({_P2P}); "
+            f"{qualified} {what}"
+        )
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _point_to_point_only(exercise: Exercise) -> Iterator[_Traffic]:
+    """Inside: built-in collectives raise and every send is counted. The learner's code looks
+    ``dist.all_reduce`` up when it runs, so patching the module attributes reaches it; the
+    ProcessGroup methods catch functions imported by name earlier. All restored on exit."""
+    traffic = _Traffic()
+    group_class = distributed_c10d.ProcessGroup
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(owner: object, name: str, new: object) -> None:
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    original_send = group_class.send
+
+    def counted_send(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        traffic.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        return original_send(self, tensors, *args, **kwargs)
+
+    try:
+        for module in (dist, distributed_c10d):
+            for name in _COLLECTIVES:
+                if hasattr(module, name):
+                    patch(module, name, _refuse(exercise, name, f"dist.{name}"))
+        for name in _GROUP_COLLECTIVES:
+            if hasattr(group_class, name):
+                patch(group_class, name, _refuse(exercise, name, f"ProcessGroup.{name}"))
+        patch(group_class, "send", counted_send)
+        yield traffic
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def _call(fn: Callable[..., Any], exercise: Exercise, seed: int, n: int, rank: int, index: int,
+          case: _Case) -> tuple[torch.Tensor, object]:
+    if exercise is Exercise.RING_ALL_GATHER:
+        bounds = shard_bounds(case.numel, n)
+        shard = _gather_full(seed, n, index, case)[bounds[rank]:bounds[rank + 1]].clone()
+        return shard, fn(shard, case.numel)
+    tensor = _rank_input(seed, n, index, rank, case)
+    return tensor, fn(tensor)
+
+
+def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Exercise,
+              cases: tuple[_Case, ...], seed: int) -> list[_Outcome]:
+    """Runs every case on this rank, with collectives refused and sends counted."""
+    outcomes = []
+    with _point_to_point_only(exercise) as traffic:
+        for index, case in enumerate(cases):
+            traffic.bytes_sent = 0
+            try:
+                after, returned = _call(fn, exercise, seed, world_size, rank, index, case)
+            except BaseException as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
+                    exc.add_note(f"{_CASE_NOTE} {index}")
+                raise
+            copy = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
+            outcomes.append(_Outcome(after.detach().clone(), copy, type(returned).__name__,
+                                     traffic.bytes_sent))
+    return outcomes
+
+
+# --- judging values ---------------------------------------------------------------------------
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _first_difference(got: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+    i = int((got != expected).nonzero()[0, 0])
+    return f"element {i} is {_num(float(got[i]))}, expected {_num(float(expected[i]))} ({what})"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _subset_sum(got: torch.Tensor, parts: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """The smallest set of ranks whose parts sum to ``got`` exactly, or None."""
+    n = len(parts)
+    for size in range(1, n + 1):
+        for ranks in itertools.combinations(range(n), size):
+            if torch.equal(got, sum(parts[r] for r in ranks)):
+                return ranks
+    return None
+
+
+def _partial(ranks: tuple[int, ...], n: int) -> str:
+    missing = [r for r in range(n) if r not in ranks]
+    return (f"the sum over rank(s) {_ranks_text(ranks)} only, missing rank(s) "
+            f"{_ranks_text(missing)}")
+
+
+_STEPS_HINT = ("every chunk must collect all N contributions, which takes N-1 reduce-scatter "
+               "steps (k = 0..N-2), each adding the chunk that arrives from the left neighbour")
+
+
+def _judge_all_reduce(exercise: Exercise, n: int, inputs: list[torch.Tensor],
+                      outcomes: list[_Outcome]) -> str:
+    expected = sum(inputs).reshape(-1)
+    bounds = shard_bounds(expected.numel(), n)
+    for r, out in enumerate(outcomes):
+        got = out.after.reshape(-1)
+        if torch.equal(got, expected):
+            continue
+        mine = inputs[r].reshape(-1)
+        if torch.equal(got, mine):
+            returned = out.returned
+            if returned is not None and torch.equal(returned.reshape(-1), expected):
+                return (f"rank {r}: the tensor is unchanged, but {exercise.function} returned "
+                        "the sum as a new tensor. An all-reduce works in place: write the result "
+                        "into the tensor it was given (tensor.copy_(result)).")
+            return (f"rank {r}: the tensor is unchanged. {exercise.function} must sum in place, "
+                    "writing into the tensor it was given (assigning `tensor = ...` only rebinds "
+                    "a local name; use tensor.copy_(...) or in-place ops on a view of it).")
+        chunks = [(j, bounds[j], bounds[j + 1]) for j in range(n) if bounds[j + 1] > bounds[j]]
+        right = [j for j, a, b in chunks if torch.equal(got[a:b], expected[a:b])]
+        subsets = {j: _subset_sum(got[a:b], [x.reshape(-1)[a:b] for x in inputs])
+                   for j, a, b in chunks if j not in right}
+        if len(right) == 1 and len(chunks) > 1 and all(subsets.values()):
+            j = right[0]
+            second = ("all-gather half is missing: all-gather the reduced chunk and copy the "
+                      "result into the tensor" if exercise is Exercise.COMPOSED_ALL_REDUCE else
+                      "all-gather phase is missing: after the N-1 reduce-scatter steps, pass the "
+                      "finished chunks round the ring for N-1 more steps, each rank storing the "
+                      "chunk it receives")
+            return (f"rank {r}: only chunk {j} (elements {bounds[j]}..{bounds[j + 1] - 1}) holds "
+                    f"the full sum; the other chunks hold partial sums. The {second}.")
+        for j, a, b in chunks:
+            ranks = subsets.get(j)
+            if ranks is not None:
+                return (f"rank {r}: chunk {j} (elements {a}..{b - 1}) holds {_partial(ranks, n)}: "
+                        f"{_STEPS_HINT}.")
+        return f"rank {r}: " + _first_difference(got, expected, "the sum over all ranks") + "."
+    return ""
+
+
+def _wrong_shape(r: int, out: _Outcome, want: int, what: str) -> str:
+    """Why rank r's returned value is not a 1-D float32 tensor of ``want`` elements, or ''."""
+    got = out.returned
+    if got is None:
+        return (f"rank {r}: returned {out.returned_type}; it must return a 1-D tensor "
+                f"holding {what}.")
+    if got.dim() != 1:
+        return (f"rank {r}: returned a tensor of shape {tuple(got.shape)}; it must return a 1-D "
+                f"tensor of {want} element(s) holding {what}.")
+    if got.dtype != torch.float32:
+        return f"rank {r}: returned dtype {got.dtype}; keep the input's dtype, torch.float32."
+    return ""
+
+
+_CHUNKS_HINT = ("torch.tensor_split / shard_bounds make the first numel % N chunks one element "
+                "longer than the rest")
+
+
+def _judge_reduce_scatter(n: int, inputs: list[torch.Tensor], outcomes: list[_Outcome]) -> str:
+    expected = sum(inputs).reshape(-1)
+    numel = expected.numel()
+    bounds = shard_bounds(numel, n)
+    chunk = [expected[bounds[j]:bounds[j + 1]] for j in range(n)]
+    for r, out in enumerate(outcomes):
+        size = bounds[r + 1] - bounds[r]
+        wrong = _wrong_shape(r, out, size, f"chunk {r} of the sum")
+        if wrong:
+            return wrong
+        got = out.returned
+        assert got is not None
+        if got.numel() != size:
+            if got.numel() == numel and torch.equal(got, expected):
+                return (f"rank {r}: returned the whole sum ({numel} elements); a reduce-scatter "
+                        f"returns only chunk {r} ({size} element(s)). That is its point: each "
+                        "rank gets 1/N of the result for (N-1)/N·S bytes.")
+            return (f"rank {r}: returned {got.numel()} element(s), but chunk {r} of {numel} "
+                    f"elements over {n} ranks has {size}.")
+        if torch.equal(got, chunk[r]):
+            continue
+        others = [j for j in range(n) if j != r and torch.equal(got, chunk[j])]
+        if others:
+            j = others[0]
+            return (f"rank {r}: returned chunk {j} of the sum, expected chunk {r}: ownership is "
+                    f"off by {(j - r) % n}. At step k rank r sends chunk (r-k-1) mod N and adds "
+                    "into chunk (r-k-2) mod N, so after the last step (k = N-2) the chunk it has "
+                    "just finished is chunk r.")
+        ranks = _subset_sum(got, [x.reshape(-1)[bounds[r]:bounds[r + 1]] for x in inputs])
+        if ranks is not None:
+            return f"rank {r}: returned {_partial(ranks, n)}: {_STEPS_HINT}."
+        return f"rank {r}: " + _first_difference(got, chunk[r], f"chunk {r} of the sum") + "."
+    for r, out in enumerate(outcomes):
+        if not torch.equal(out.after, inputs[r]):
+            before, now = inputs[r].reshape(-1), out.after.reshape(-1)
+            i = int((now != before).nonzero()[0, 0])
+            return (f"rank {r}: the right chunk, but the input tensor was changed: element {i} "
+                    f"is now {_num(float(now[i]))}, was {_num(float(before[i]))}. A "
+                    "reduce-scatter must leave its input as it was: add into a separate buffer "
+                    "(e.g. a clone of the chunk), not into a view of the input.")
+    return ""
+
+
+def _judge_all_gather(n: int, full: torch.Tensor, outcomes: list[_Outcome]) -> str:
+    numel = full.numel()
+    bounds = shard_bounds(numel, n)
+    chunk = [full[bounds[j]:bounds[j + 1]] for j in range(n)]
+    for r, out in enumerate(outcomes):
+        wrong = _wrong_shape(r, out, numel, "every rank's shard in rank order")
+        if wrong:
+            return wrong
+        got = out.returned
+        assert got is not None
+        if got.numel() != numel:
+            guess = ("; that is shard.numel() x N, but shards differ in length when numel does "
+                     "not divide by N, so use the numel argument" if
+                     got.numel() == out.after.numel() * n else "")
+            return (f"rank {r}: returned {got.numel()} element(s), expected numel = {numel}"
+                    f"{guess}.")
+        if torch.equal(got, full):
+            continue
+        for j in range(n):
+            a, b = bounds[j], bounds[j + 1]
+            if b == a or torch.equal(got[a:b], chunk[j]):
+                continue
+            holder = [k for k in range(n) if k != j and torch.equal(got[a:b], chunk[k])]
+            if holder:
+                return (f"rank {r}: elements {a}..{b - 1} hold rank {holder[0]}'s shard, "
+                        f"expected rank {j}'s: put the shard that started on rank i at "
+                        "shard_bounds(numel, N)[i] .. [i+1]; at step k rank r receives the "
+                        "shard that started on rank (r-k-1) mod N.")
+        placed = [j for j in range(n) if bounds[j + 1] > bounds[j]
+                  and torch.equal(got[bounds[j]:bounds[j + 1]], chunk[j])]
+        missing = [j for j in range(n) if bounds[j + 1] > bounds[j] and j not in placed]
+        if placed == [r]:
+            return (f"rank {r}: only its own shard (chunk {r}) is in place; no other shard "
+                    "arrived. The ring takes N-1 steps: each rank sends a shard to its right "
+                    "neighbour and stores the one from its left, then forwards that one on.")
+        if placed:
+            return (f"rank {r}: the shard(s) of rank(s) {_ranks_text(missing)} never arrived; "
+                    "the ring takes N-1 steps, each forwarding the shard received in the step "
+                    "before.")
+        return f"rank {r}: " + _first_difference(got, full, "the gathered tensor") + "."
+    for r, out in enumerate(outcomes):
+        if not torch.equal(out.after, chunk[r]):
+            return (f"rank {r}: the right result, but its shard was changed; an all-gather "
+                    "must leave its input as it was (copy it into the output instead).")
+    return ""
+
+
+def _judge_case(exercise: Exercise, seed: int, n: int, index: int, case: _Case,
+                outcomes: list[_Outcome]) -> str:
+    if exercise is Exercise.RING_ALL_GATHER:
+        return _judge_all_gather(n, _gather_full(seed, n, index, case), outcomes)
+    inputs = [_rank_input(seed, n, index, r, case) for r in range(n)]
+    if exercise is Exercise.RING_REDUCE_SCATTER:
+        return _judge_reduce_scatter(n, inputs, outcomes)
+    return _judge_all_reduce(exercise, n, inputs, outcomes)
+
+
+def _pattern(exercise: Exercise, n: int, cases: tuple[_Case, ...], failed: list[int]) -> str:
+    """A hint when the failing cases share what the passing ones lack."""
+    passed = [i for i in range(len(cases)) if i not in failed]
+    if not passed:
+        return ""
+    if all(cases[i].uneven(n) for i in failed):
+        good = ", ".join(str(cases[i].numel) for i in passed)
+        bad = ", ".join(str(cases[i].numel) for i in failed)
+        return (f" It is right for numel {good} but wrong for numel {bad}, which {n} does not "
+                f"divide: check the chunk sizes ({_CHUNKS_HINT}; some chunks are empty when "
+                "numel < N).")
+    if all(len(cases[i].shape) > 1 for i in failed):
+        target = "slice a flat view" if exercise.collective is Collective.ALL_REDUCE else \
+            "return chunk r of the flattened sum"
+        return (" Only the 2-D input fails: work on tensor.view(-1) (a view, so in-place writes "
+                f"reach the caller's tensor) and {target}.")
+    return ""
+
+
+def _judge_values(exercise: Exercise, seed: int, n: int, cases: tuple[_Case, ...],
+                  results: Sequence[list[_Outcome]]) -> str:
+    verdicts = {i: _judge_case(exercise, seed, n, i, case, [res[i] for res in results])
+                for i, case in enumerate(cases)}
+    failed = [i for i, v in verdicts.items() if v]
+    if not failed:
+        return ""
+    # The most telling case: a divisible one if any fails (chunks are unambiguous there), the
+    # largest of those (a shifted chunk cannot match by chance).
+    even = [i for i in failed if not cases[i].uneven(n)]
+    shown = max(even or failed, key=lambda i: (cases[i].numel, -i))
+    return (f"with {n} rank(s), {cases[shown].describe()}: {verdicts[shown]}"
+            + _pattern(exercise, n, cases, failed))
+
+
+# --- judging traffic ----------------------------------------------------------------------------
+
+
+def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
+                   results: Sequence[list[_Outcome]]) -> str:
+    if n == 1:
+        return ""
+    formula = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
+    why = {
+        Collective.ALL_REDUCE: "Passing whole tensors round the ring, or gathering everything "
+        "at one rank, costs a rank (N-1)·S, which grows with N, while the ring's 2(N-1)/N·S "
+        "stays under 2·S for any N: send one chunk (about S/N) per step, never the whole "
+        "tensor.",
+        Collective.REDUCE_SCATTER: "Each step sends one chunk (about S/N), the running partial "
+        "sum; whole tensors, or an all-reduce followed by slicing, send far more than a "
+        "reduce-scatter needs.",
+        Collective.ALL_GATHER: "Each step forwards one shard (about S/N); gathering at one rank "
+        "and sending the whole result from there costs that rank (N-1)·S.",
+    }[exercise.collective]
+    order = sorted(range(len(cases)), key=lambda i: (-cases[i].numel, i))
+    for i in order:
+        numel = cases[i].numel
+        esize = results[0][i].after.element_size()
+        total_bytes = numel * esize
+        sent = [res[i].bytes_sent for res in results]
+        upper = exercise.phases * (n - 1) * math.ceil(numel / n) * esize
+        worst = max(range(n), key=lambda r: (sent[r], -r))
+        optimal = exercise.phases * (n - 1) / n * total_bytes
+        where = f"with {n} rank(s), {cases[i].describe()} (S = {total_bytes} bytes)"
+        if sent[worst] > upper:
+            return (f"{where}: the values are right, but rank {worst} sent {sent[worst]} bytes. "
+                    f"A ring {exercise.collective.value} sends {formula} = {optimal:.1f} bytes "
+                    f"per rank (at most {upper} with uneven chunks). {why}")
+        lower = (n - 1) * total_bytes
+        if sum(sent) < lower:
+            return (f"{where}: the values are right, but the ranks sent only {sum(sent)} bytes "
+                    f"in all through point-to-point calls, less than the (N-1)·S = {lower} bytes "
+                    "any algorithm must move: the data travelled some other way. Use only "
+                    f"point-to-point calls ({_P2P}).")
+    return ""
+
+
+# --- judging failures ---------------------------------------------------------------------------
+
+
+def _clean_traceback(text: str) -> str:
+    """The learner's part of a rank's traceback: this module's frames and the case note
+    dropped, notebook cell paths (which hold the kernel's pid) made stable."""
+    here = __file__
+    lines, keep = [], True
+    for line in text.splitlines():
+        if line.startswith("  File "):
+            keep = here not in line
+        elif not line.startswith("    "):
+            keep = True
+        if keep and not line.startswith(_CASE_NOTE):
+            lines.append(line)
+    cleaned = "\n".join(lines)
+    return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', cleaned)
+
+
+def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: RankError) -> str:
+    first_line = str(err).splitlines()[0]
+    # Ranks that fail the same way at once: name the lowest, so the verdict is stable.
+    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank),
+                  key=lambda f: f.rank)
+    rank, tb = (same[0].rank, same[0].traceback) if same else (err.rank, err.remote_traceback)
+    if err.exc_type == "RankDied":
+        how = same[0].message if same else first_line.split(": ", 1)[-1]
+        return (f"with {n} rank(s), rank {rank} died ({how}). gloo ends a process when a "
+                "message does not fit the buffer posted to receive it: every send needs a "
+                "receive of the same number of elements on the other side; check the chunk "
+                f"sizes ({_CHUNKS_HINT}).")
+    found = re.search(re.escape(_CASE_NOTE) + r" (\d+)", tb)
+    case = cases[int(found.group(1))] if found else None
+    where = f"with {n} rank(s), {case.describe()}" if case else f"with {n} rank(s)"
+    if err.exc_type == CollectiveUsedError.__name__:
+        called = re.search(r"Exercise [\d.]+: use only.*", tb)
+        return f"{where}: {called.group(0) if called else first_line}."
+    hint = ""
+    if case is not None and case.uneven(n):
+        hint = (f" {n} does not divide {case.numel}: if it works when it does, check the chunk "
+                f"sizes ({_CHUNKS_HINT}; some chunks are empty when numel < N).")
+    elif case is not None and len(case.shape) > 1:
+        hint = " The input is 2-D: work on tensor.view(-1)."
+    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{_clean_traceback(tb)}"
+
+
+def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,
+                     timeout: float) -> str:
+    numels = ", ".join(str(c.numel) for c in cases)
+    stacks = [err.stacks.get(r, "") for r in err.ranks]
+    if stacks and all("_join_group" in s for s in stacks if s) and any(stacks):
+        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
+                "machine may be busy: pass a larger timeout=.")
+    where = ""
+    for r in err.ranks:
+        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
+                  if "/torch/" not in line and "/labs/" not in line]
+        if frames:
+            cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
+            where = f" Rank {r} was waiting at {cell}."
+            break
+    return (f"with {n} rank(s) (numel {numels}), rank(s) {_ranks_text(err.ranks)} hung for "
+            f"{timeout:g} s.{where} Every send needs a matching receive: on a ring, post the "
+            "receive (dist.irecv) before waiting on the send, or use dist.batch_isend_irecv for "
+            "each step; a blocking dist.send or dist.recv on every rank at once waits forever.")
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+def _validate(fn: object, world_sizes: object, seed: object, timeout: object) -> None:
+    if not callable(fn):
+        raise TypeError(f"pass the function itself, e.g. check(my_function), not its result "
+                        f"(got {type(fn).__name__}).")
+    if (isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence)
+            or not world_sizes):
+        raise TypeError(f"world_sizes must be a non-empty tuple of ints, e.g. (1, 2, 3), got "
+                        f"{world_sizes!r}.")
+    for n in world_sizes:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORLD_SIZE:
+            raise ValueError(f"each world size must be an int in 1..{MAX_WORLD_SIZE}, got {n!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+
+
+def _signature_problem(exercise: Exercise, fn: Callable[..., Any]) -> str:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the ranks try it
+        return ""
+    try:
+        signature.bind(*exercise.parameters)
+    except TypeError:
+        params = ", ".join(exercise.parameters)
+        return (f"{exercise.function} must accept {len(exercise.parameters)} argument(s), "
+                f"({params}); its signature is {signature}. Write "
+                f"def {exercise.function}({params}): ...")
+    return ""
+
+
+def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int], seed: int,
+           timeout: float) -> CheckResult:
+    _validate(fn, world_sizes, seed, timeout)
+    plan = _Plan.make(world_sizes, seed)
+
+    def fail(message: str) -> CheckResult:
+        return _report(CheckResult(exercise.title, False, message + plan.note()))
+
+    problem = _signature_problem(exercise, fn)
+    if problem:
+        return fail(problem)
+    for n in plan.world_sizes:
+        cases = plan.cases(exercise, n)
+        try:
+            # gloo even where there are GPUs: the inputs are CPU tensors.
+            results = launch(_rank_run, n, args=(fn, exercise, cases, seed), backend="gloo",
+                             timeout=timeout, echo=False)
+        except RankError as err:
+            return fail(_explain_error(exercise, n, cases, err))
+        except LaunchTimeout as err:
+            return fail(_explain_timeout(n, cases, err, timeout))
+        verdict = (_judge_values(exercise, seed, n, cases, results)
+                   or _judge_traffic(exercise, n, cases, results))
+        if verdict:
+            return fail(verdict)
+    sizes = ", ".join(map(str, plan.world_sizes))
+    what = {
+        Collective.ALL_REDUCE: "exact sums on every rank",
+        Collective.REDUCE_SCATTER: "rank r gets exactly chunk r of the sum, input unchanged",
+        Collective.ALL_GATHER: "every rank gets every shard in rank order",
+    }[exercise.collective]
+    shapes = "1, N-1, N, a prime, 300 and 301"
+    if exercise is not Exercise.RING_ALL_GATHER:
+        shapes += ", and a 2-D (3, 2N) tensor"
+    bound = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
+    return _report(CheckResult(
+        exercise.title, True,
+        f"{what}, with {sizes} rank(s) and numel {shapes}; no rank sent more than the ring's "
+        f"{bound} bytes, and no built-in collective was used.{plan.note()}",
+    ))
+
+
+def check_ring_all_reduce(
+    ring_all_reduce: Callable[[torch.Tensor], object],
+    world_sizes: Sequence[int] = (1, 2, 3, 4, 5),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 2.1: ``ring_all_reduce(tensor)`` must leave every rank's ``tensor`` holding
+    the element-wise sum over all ranks (in place; the return value is ignored), using only
+    point-to-point calls, each rank sending at most the ring's 2(N-1)/N·S bytes."""
+    return _check(Exercise.RING_ALL_REDUCE, ring_all_reduce, world_sizes, seed, timeout)
+
+
+def check_ring_reduce_scatter(
+    ring_reduce_scatter: Callable[[torch.Tensor], torch.Tensor],
+    world_sizes: Sequence[int] = (1, 2, 3, 4, 5),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 3.1: ``ring_reduce_scatter(tensor)`` must return, on rank r, a 1-D tensor
+    holding chunk r (``shard_bounds`` / ``torch.tensor_split``) of the flattened sum over
+    ranks, leave ``tensor`` unchanged, and send at most (N-1)/N·S bytes per rank."""
+    return _check(Exercise.RING_REDUCE_SCATTER, ring_reduce_scatter, world_sizes, seed, timeout)
+
+
+def check_ring_all_gather(
+    ring_all_gather: Callable[[torch.Tensor, int], torch.Tensor],
+    world_sizes: Sequence[int] = (1, 2, 3, 4, 5),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 4.1: ``ring_all_gather(shard, numel)``, with rank i holding chunk i of
+    ``shard_bounds(numel, N)``, must return on every rank the 1-D tensor of ``numel``
+    elements that concatenates the shards in rank order, sending at most (N-1)/N·S bytes
+    per rank (S: the size of the result)."""
+    return _check(Exercise.RING_ALL_GATHER, ring_all_gather, world_sizes, seed, timeout)
+
+
+def check_composed_all_reduce(
+    all_reduce: Callable[[torch.Tensor], object],
+    world_sizes: Sequence[int] = (1, 2, 3, 4, 5),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 4.2: ``all_reduce(tensor)``, built from the learner's reduce-scatter and
+    all-gather, must sum ``tensor`` over ranks in place, sending at most 2(N-1)/N·S bytes per
+    rank: the reduce-scatter's (N-1)/N·S plus the all-gather's."""
+    return _check(Exercise.COMPOSED_ALL_REDUCE, all_reduce, world_sizes, seed, timeout)

@@ -1,0 +1,593 @@
+"""Per-rank memory, measured from the tensors a rank holds (chapters 3, 4 and the ZeRO/FSDP
+chapters).
+
+What is counted, and why
+------------------------
+:class:`MemoryTimeline` counts the bytes of the **tensor storages** that a rank has registered
+with it and that are still alive, at moments the code names ("before all-gather", "after
+freeing", ...). A storage is the block of memory behind one or more tensors: a view (a slice,
+a ``.view``, a row of a matrix) shares its base tensor's storage, so it is counted once, at the
+size of the whole storage it keeps alive. The timeline holds only *weak* references, so a
+tensor the code has really let go of (no variable, view or ``Work`` object refers to it any
+more) drops out of the count by itself: "freed" is observed, not declared. And it reads each
+storage's size at the moment of the snapshot, so a storage shrunk in place with
+``untyped_storage().resize_(0)`` (as PyTorch FSDP frees unsharded parameters) counts as empty.
+
+:class:`AllocationTracker` measures what a region of code allocates on top of that: every
+storage that a PyTorch operator creates inside the ``with`` block (``torch.empty``, ``clone``,
+``torch.add(...)`` without ``out=``, ...), checked after every operator, so its
+``peak_bytes`` is the largest total of those new storages alive at once. That is how the
+temporary buffers *inside* a collective are seen without opening it up.
+
+What is not counted: the caching allocator's reserve, memory that a kernel or the
+communication library (gloo's or NCCL's own buffers) allocates without making a tensor,
+Python objects, and the process's resident set (RSS). Those are real, but they depend on the
+allocator, the library and the operating system, and they do not answer the question the
+chapters ask ("which tensors must a rank hold, and how large are they?"). Tensor bytes do, and
+on a CPU they are exactly reproducible, so a notebook can compare them with a formula. On CUDA
+the snapshot also reports ``torch.cuda.memory_allocated()`` for the devices the tensors live
+on; no CUDA function is called for CPU tensors.
+
+Cost: a snapshot is O(number of registered tensors). The tracker runs a little Python after
+every operator inside its block, which is fine for the small tensors of the notebooks but not
+something to leave on in a training loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from labs.collectives import Algorithm, Collective, all_gather, reduce_scatter, shard_bounds
+
+if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn (ranks import this)
+    from matplotlib.figure import Figure
+
+    from labs.checks import CheckResult
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One storage created inside an :class:`AllocationTracker` block."""
+
+    op: str  #: the operator that made it, e.g. ``"empty"`` or ``"clone"``
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One registered tensor that was alive at a snapshot."""
+
+    name: str  #: e.g. ``"shard"`` or ``"model.weight.grad"``
+    group: str  #: the keyword it was registered under (the bar segment in the plot)
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+    nbytes: int  #: numel x element size: the bytes this tensor (view) spans
+    storage_bytes: int  #: the size of the whole storage it keeps alive, at the snapshot
+    #: the earlier tensor of this snapshot on the same storage (counted there), or None
+    shares_with: str | None = None
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """What one rank held at one named moment.
+
+    ``held_bytes`` is the sum over the *distinct* live storages of the registered tensors;
+    ``transient_bytes`` is the peak that an :class:`AllocationTracker` measured for the
+    moment (0 when none was given), so ``total_bytes`` is the most the rank held then.
+    """
+
+    rank: int
+    moment: str
+    tensors: tuple[TensorRecord, ...]
+    held_bytes: int
+    held_elements: int  #: each distinct storage's bytes / its tensor's element size
+    transient_bytes: int = 0
+    #: ``torch.cuda.memory_allocated`` summed over the CUDA devices of the tensors; None on CPU
+    allocator_bytes: int | None = None
+    #: the storages the tracker saw being created, in order (empty without a tracker)
+    allocations: tuple[Allocation, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.held_bytes + self.transient_bytes
+
+    def bytes_by_group(self) -> dict[str, int]:
+        """Held bytes per registration group; a shared storage counts for its first group."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.group] = out.get(t.group, 0) + (0 if t.shares_with else t.storage_bytes)
+        return out
+
+    def elements_by_group(self) -> dict[str, int]:
+        """Held elements per registration group, counted like :meth:`bytes_by_group`."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            size = t.nbytes // t.numel if t.numel else 0
+            held = 0 if t.shares_with or not size else t.storage_bytes // size
+            out[t.group] = out.get(t.group, 0) + held
+        return out
+
+
+def find(snapshots: Sequence[MemorySnapshot], moment: str | enum.Enum) -> MemorySnapshot:
+    """The snapshot taken at ``moment`` (a label, or an Enum whose value is the label)."""
+    label = moment.value if isinstance(moment, enum.Enum) else moment
+    for snap in snapshots:
+        if snap.moment == label:
+            return snap
+    known = ", ".join(repr(s.moment) for s in snapshots)
+    raise KeyError(f"no snapshot at {label!r}; the moments recorded are: {known}")
+
+
+# --- walking an object for its tensors ---------------------------------------------------------
+
+
+def named_tensors(obj: object, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``obj``, with a dotted name starting at ``prefix``.
+
+    Understands tensors (and a leaf tensor's ``.grad``), ``nn.Module`` (parameters, their
+    gradients, buffers), ``torch.optim.Optimizer`` (its state tensors), mappings, lists and
+    tuples; ``None`` is skipped. Anything else is refused, so nothing is silently left out.
+    """
+    if obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+        if obj.is_leaf and obj.grad is not None:
+            yield f"{prefix}.grad", obj.grad
+    elif isinstance(obj, nn.Module):
+        for name, param in obj.named_parameters(remove_duplicate=False):
+            yield from named_tensors(param, f"{prefix}.{name}")
+        for name, buffer in obj.named_buffers(remove_duplicate=False):
+            yield f"{prefix}.{name}", buffer
+    elif isinstance(obj, torch.optim.Optimizer):
+        params = [p for group in obj.param_groups for p in group["params"]]
+        for i, param in enumerate(params):
+            for key, value in obj.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):  # skip plain numbers such as a float step
+                    yield f"{prefix}.state[{i}].{key}", value
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from named_tensors(value, f"{prefix}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from named_tensors(value, f"{prefix}[{i}]")
+    else:
+        raise TypeError(
+            f"{prefix}: cannot find tensors in a {type(obj).__name__}. Register tensors, "
+            "modules, optimizers, or dicts/lists/tuples of them."
+        )
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    if tensor.layout is not torch.strided:
+        raise TypeError(
+            f"only dense (strided) tensors can be counted, got layout {tensor.layout}; "
+            "register the sparse tensor's .values() and .indices() instead."
+        )
+    return tensor.untyped_storage()
+
+
+# --- the timeline -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A registered tensor: its metadata and a weak reference to its storage."""
+
+    name: str
+    group: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    ref: StorageWeakRef
+
+
+class MemoryTimeline:
+    """Snapshots of the tensor storages one rank holds, at moments the code names.
+
+    Usage, inside a rank::
+
+        timeline = MemoryTimeline(rank)
+        timeline.record("before all-gather", shard=shard)       # registers shard
+        full = all_gather(shard)
+        timeline.record("after all-gather", gathered=full)      # shard is still counted
+        del full
+        timeline.record("after freeing")                        # full has dropped out
+        return timeline.snapshots
+
+    Each keyword registers the tensors reachable from its value (see :func:`named_tensors`)
+    under that group name. Every snapshot counts all registered tensors that are still
+    alive, each distinct storage once. Registration keeps weak references only, so the
+    timeline never keeps a tensor alive.
+    """
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self._entries: list[_Entry] = []
+        self._snapshots: list[MemorySnapshot] = []
+
+    @property
+    def snapshots(self) -> tuple[MemorySnapshot, ...]:
+        return tuple(self._snapshots)
+
+    def track(self, **tensors: object) -> None:
+        """Register tensors without taking a snapshot."""
+        for group, obj in tensors.items():
+            for name, tensor in named_tensors(obj, group):
+                ref = StorageWeakRef(_storage(tensor))
+                if any(e.name == name and e.ref.cdata == ref.cdata for e in self._entries):
+                    continue
+                self._entries.append(_Entry(name, group, tuple(tensor.shape), tensor.dtype,
+                                            tensor.device, tensor.numel(), ref))
+
+    def record(
+        self, moment: str | enum.Enum, /, *, during: AllocationTracker | None = None,
+        **tensors: object,
+    ) -> MemorySnapshot:
+        """Register ``tensors`` (keyword = group), then snapshot everything registered that is
+        still alive. ``during``: a finished :class:`AllocationTracker` whose peak is added as
+        the moment's transient bytes."""
+        self.track(**tensors)
+        label = moment.value if isinstance(moment, enum.Enum) else str(moment)
+        records: list[TensorRecord] = []
+        owner: dict[int, str] = {}
+        held_bytes = held_elements = 0
+        cuda: set[torch.device] = set()
+        alive = []
+        for entry in self._entries:
+            # A strong reference for the length of this loop only (the same call that
+            # torch.multiprocessing uses to revive a shared storage); None once it is freed.
+            storage = torch.UntypedStorage._new_with_weak_ptr(entry.ref.cdata)
+            if storage is None:  # every tensor on it has been freed
+                continue
+            alive.append(entry)
+            nbytes = 0 if entry.device.type == "meta" else storage.nbytes()
+            size = entry.dtype.itemsize
+            shares = owner.get(entry.ref.cdata)
+            if shares is None:
+                owner[entry.ref.cdata] = entry.name
+                held_bytes += nbytes
+                held_elements += nbytes // size
+            if entry.device.type == "cuda":
+                cuda.add(entry.device)
+            records.append(TensorRecord(
+                entry.name, entry.group, entry.shape, str(entry.dtype).removeprefix("torch."),
+                str(entry.device), entry.numel, entry.numel * size, nbytes, shares,
+            ))
+            del storage  # the snapshot must not keep the storage alive
+        self._entries = alive  # forget what has been freed
+        allocator = (sum(torch.cuda.memory_allocated(d) for d in cuda) if cuda else None)
+        snap = MemorySnapshot(
+            self.rank, label, tuple(records), held_bytes, held_elements,
+            0 if during is None else during.peak_bytes, allocator,
+            () if during is None else tuple(during.allocations),
+        )
+        self._snapshots.append(snap)
+        return snap
+
+
+# --- allocations inside a region --------------------------------------------------------------
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Measures the storages that PyTorch operators create inside a ``with`` block::
+
+        with AllocationTracker() as during:
+            shard = reduce_scatter(gradient)
+        during.peak_bytes    # most bytes of new storages alive at once
+        during.live_bytes    # of those, still alive now (here: the shard)
+
+    After every operator the tracker notes the storages of its outputs that are neither an
+    input's storage (views and in-place results are not allocations) nor already known, and
+    drops those whose tensors have all been freed. The peak is therefore exact at operator
+    boundaries; memory used and released *within* one kernel, and buffers a communication
+    library allocates without creating a tensor, are not seen. Only the thread that enters
+    the block is observed.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._dynamo.disable unless a mode
+        # opts out; that wrapper imports torch._dynamo at the first operator, which took
+        # seconds per rank here. The tracker never runs under torch.compile, so opt out.
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak_bytes = 0
+        #: every new storage in the order it was made: which operator, how many bytes
+        self.allocations: list[Allocation] = []
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Total bytes of all new storages, freed ones included."""
+        return sum(a.nbytes for a in self.allocations)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if _countable(t)}
+        for tensor in tree_flatten(out)[0]:
+            if not _countable(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, nbytes = storage._cdata, storage.nbytes()  # _cdata: the StorageImpl's address
+            if key in inputs or key in self._live or nbytes == 0:
+                continue
+            self._live[key] = (StorageWeakRef(storage), nbytes)
+            self.allocations.append(Allocation(_op_name(func), nbytes))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the storages created in the block that are still alive."""
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            del self._live[key]
+        return sum(nbytes for _, nbytes in self._live.values())
+
+
+def _op_name(func: Any) -> str:
+    """``aten.empty.memory_format`` -> ``empty``."""
+    overload = getattr(func, "overloadpacket", None)
+    return getattr(overload, "__name__", str(func))
+
+
+def _countable(obj: object) -> bool:
+    return (isinstance(obj, torch.Tensor) and obj.layout is torch.strided
+            and obj.device.type != "meta")
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+# --- the experiments of chapters 3 and 4 ------------------------------------------------------
+
+
+class ReduceScatterMoment(enum.Enum):
+    """The moments :func:`reduce_scatter_memory` records."""
+
+    GRADIENT = "full gradient"  #: after backward: the whole gradient, S bytes
+    DURING = "during reduce-scatter"  #: the gradient plus what the collective allocates
+    AFTER = "after reduce-scatter"  #: the gradient is still there, plus the shard
+    FREED = "full gradient freed"  #: only the shard (as ZeRO-2 and FSDP keep it)
+
+
+class AllGatherMoment(enum.Enum):
+    """The moments :func:`all_gather_memory` records."""
+
+    BEFORE = "before all-gather"  #: only this rank's shard
+    DURING = "during all-gather"  #: the shard plus what the collective allocates
+    AFTER = "after all-gather"  #: the shard and the gathered tensor
+    FREED = "gathered tensor freed"  #: only the shard again
+
+
+@dataclass(frozen=True)
+class ShardMemorySettings:
+    """Settings of the memory experiments of chapters 3 and 4.
+
+    Attributes:
+        numel: elements of the full tensor (the gradient that is reduce-scattered, or the
+            parameters that are all-gathered). The default, 840, divides by every N in 1..8.
+        dtype: its dtype.
+        algorithm: ``Algorithm.RING`` (built here from point-to-point messages) or
+            ``Algorithm.TORCH`` (torch.distributed's own collective).
+    """
+
+    numel: int = 840
+    dtype: torch.dtype = torch.float32
+    algorithm: Algorithm = Algorithm.RING
+
+    def __post_init__(self) -> None:
+        if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 1:
+            raise ValueError(f"numel must be a positive int, got {self.numel!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype such as torch.float32, "
+                            f"got {self.dtype!r}")
+        if self.algorithm not in Collective.REDUCE_SCATTER.algorithms():
+            names = ", ".join(f"Algorithm.{a.name}" for a in Collective.REDUCE_SCATTER.algorithms())
+            raise ValueError(f"algorithm must be one of {names}, got {self.algorithm}")
+
+    @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """S: the bytes of the full tensor."""
+        return self.numel * self.element_size
+
+
+def reduce_scatter_memory(
+    rank: int, world_size: int, settings: ShardMemorySettings
+) -> tuple[MemorySnapshot, ...]:
+    """Worker: what a rank holds around a reduce-scatter of an S-byte gradient.
+
+    The shard is chunk r of the sum, about S/N bytes. The gradient itself (S bytes) stays
+    until the code drops it: only then does the rank hold S/N instead of S
+    (:class:`ReduceScatterMoment`).
+    """
+    timeline = MemoryTimeline(rank)
+    gradient = torch.full((settings.numel,), float(rank + 1), dtype=settings.dtype)  # 1-D, S
+    timeline.record(ReduceScatterMoment.GRADIENT, gradient=gradient)
+    with AllocationTracker() as during:
+        shard = reduce_scatter(gradient, algorithm=settings.algorithm)  # 1-D, ~S/N
+    timeline.record(ReduceScatterMoment.DURING, during=during)
+    timeline.record(ReduceScatterMoment.AFTER, shard=shard)
+    del gradient  # the last reference: the storage is freed here, and the timeline sees it
+    timeline.record(ReduceScatterMoment.FREED)
+    return timeline.snapshots
+
+
+def all_gather_memory(
+    rank: int, world_size: int, settings: ShardMemorySettings
+) -> tuple[MemorySnapshot, ...]:
+    """Worker: what a rank holds around an all-gather of S bytes from shards of ~S/N.
+
+    Between the gather and the free the rank holds its shard *and* the gathered tensor,
+    (1 + 1/N)·S, unless the shard is made a view into the gathered buffer
+    (:class:`AllGatherMoment`).
+    """
+    bounds = shard_bounds(settings.numel, world_size)
+    timeline = MemoryTimeline(rank)
+    shard = torch.full((bounds[rank + 1] - bounds[rank],), float(rank + 1),
+                       dtype=settings.dtype)  # 1-D, chunk r of shard_bounds
+    timeline.record(AllGatherMoment.BEFORE, shard=shard)
+    with AllocationTracker() as during:
+        gathered = all_gather(shard, numel=settings.numel, algorithm=settings.algorithm)
+    timeline.record(AllGatherMoment.DURING, during=during)
+    timeline.record(AllGatherMoment.AFTER, gathered=gathered)
+    del gathered
+    timeline.record(AllGatherMoment.FREED)
+    return timeline.snapshots
+
+
+# --- checking a claim against the measurement -------------------------------------------------
+
+
+def check_held_bytes(
+    measured: Mapping[int, Sequence[Sequence[MemorySnapshot]]],
+    moment: str | enum.Enum,
+    expected: Callable[[int, int], int],
+    claim: str,
+) -> CheckResult:
+    """Compare every rank's measured ``held_bytes`` at ``moment`` with ``expected(N, rank)``.
+
+    ``measured`` maps a world size N to the per-rank snapshots of one launch. The verdict
+    names the first world size and rank where the measurement and the claim disagree.
+    """
+    from labs.checks import CheckResult
+
+    for world_size, per_rank in sorted(measured.items()):
+        if len(per_rank) != world_size:
+            raise ValueError(f"world size {world_size}: got snapshots of {len(per_rank)} ranks")
+        for rank, snaps in enumerate(per_rank):
+            held, want = find(snaps, moment).held_bytes, expected(world_size, rank)
+            if held != want:
+                return CheckResult(claim, False, (
+                    f"with N = {world_size}, rank {rank} held {held} bytes at "
+                    f"{find(snaps, moment).moment!r}, the claim says {want}."
+                ))
+    sizes = ", ".join(str(n) for n in sorted(measured))
+    return CheckResult(claim, True, f"measured on every rank for N = {sizes}.")
+
+
+# --- tables and figures -----------------------------------------------------------------------
+
+
+def memory_table(per_rank: Sequence[Sequence[MemorySnapshot]], ranks: Sequence[int] = (0,),
+                 ) -> str:
+    """A text table of the snapshots of the given ranks: elements and bytes per group,
+    transient bytes and the total."""
+    from labs.viz import format_table
+
+    groups = _groups(per_rank)
+    header = ["rank", "moment", *(f"{g} (elements)" for g in groups), "held bytes",
+              "allocated during (peak bytes)", "total bytes"]
+    rows = []
+    for rank in ranks:
+        for snap in per_rank[rank]:
+            elements = snap.elements_by_group()
+            rows.append([rank, snap.moment, *(elements.get(g, "") for g in groups),
+                         snap.held_bytes, snap.transient_bytes or "", snap.total_bytes])
+    return format_table(header, rows)
+
+
+def describe_allocations(allocations: Sequence[Allocation]) -> str:
+    """``"empty 840 B x2, clone 840 B"``: the storages a tracker saw, grouped by operator and
+    size in the order each kind first appeared."""
+    counts: dict[tuple[str, int], int] = {}
+    for a in allocations:
+        counts[(a.op, a.nbytes)] = counts.get((a.op, a.nbytes), 0) + 1
+    if not counts:
+        return "nothing"
+    return ", ".join(f"{op} {nbytes} B" + (f" x{k}" if k > 1 else "")
+                     for (op, nbytes), k in counts.items())
+
+
+def _groups(per_rank: Sequence[Sequence[MemorySnapshot]]) -> list[str]:
+    groups: list[str] = []
+    for snaps in per_rank:
+        for snap in snaps:
+            for t in snap.tensors:
+                if t.group not in groups:
+                    groups.append(t.group)
+    return groups
+
+
+def _unit(nbytes: float) -> tuple[float, str]:
+    for scale, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if nbytes >= scale:
+            return float(scale), name
+    return 1.0, "bytes"
+
+
+def plot_memory_timeline(per_rank: Sequence[Sequence[MemorySnapshot]], *, title: str = "",
+                         ) -> Figure:
+    """Bars per moment and rank (rank 0 leftmost), stacked by registration group, with a
+    moment's transient peak (from an :class:`AllocationTracker`) hatched on top. Every rank
+    must have recorded the same moments."""
+    import matplotlib.pyplot as plt
+
+    if not per_rank or not per_rank[0]:
+        raise ValueError("nothing to plot: pass one sequence of snapshots per rank")
+    moments = [s.moment for s in per_rank[0]]
+    for rank, snaps in enumerate(per_rank):
+        if [s.moment for s in snaps] != moments:
+            raise ValueError(f"rank {rank} recorded other moments than rank 0; plot each "
+                             "rank's timeline separately")
+    groups = _groups(per_rank)
+    colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
+    scale, unit = _unit(max(s.total_bytes for snaps in per_rank for s in snaps))
+    width = 0.8 / len(per_rank)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.7 * len(moments)), 3.6), layout="constrained")
+    labelled: set[str] = set()
+
+    def bar(x: float, bottom: float, height: float, label: str, **style: object) -> None:
+        ax.bar(x, height / scale, width * 0.92, bottom=bottom / scale, linewidth=0.6,
+               label=None if label in labelled else label, **style)
+        labelled.add(label)
+
+    for m in range(len(moments)):
+        for rank, snaps in enumerate(per_rank):
+            x, bottom = m - 0.4 + width * (rank + 0.5), 0.0
+            by_group = snaps[m].bytes_by_group()
+            for group in groups:
+                if by_group.get(group):
+                    bar(x, bottom, by_group[group], group, color=colours[group],
+                        edgecolor="black")
+                    bottom += by_group[group]
+            if snaps[m].transient_bytes:
+                bar(x, bottom, snaps[m].transient_bytes, "allocated during (peak)",
+                    color="white", edgecolor="gray", hatch="//")
+    ax.set_xticks(range(len(moments)), [m.replace(" ", "\n", 1) for m in moments],
+                  fontsize="small")
+    n = len(per_rank)
+    ax.set(ylabel=f"tensor storage held ({unit})",
+           title=title or f"Per-rank memory, {n} rank{'s' if n > 1 else ''} (one bar each)")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: (labels[i] not in groups,
+                                                      groups.index(labels[i])
+                                                      if labels[i] in groups else 0))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small",
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return fig

@@ -1,0 +1,240 @@
+"""labs.bench: the collectives timing worker on real ranks, its correctness verdict, and the
+``python -m labs.bench collectives`` command line (flags refused before any process starts,
+tiny sweeps that write CSV, JSON and a PNG)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from labs import bench
+from labs.bench import (
+    DEFAULT_OUT,
+    CollectiveCase,
+    CollectiveTiming,
+    Statistic,
+    SweepSettings,
+    format_size,
+    measure_collectives,
+    parse_size,
+    read_timings,
+    results_match,
+    seeded_input,
+    timing_from_record,
+)
+from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective, shard_bounds
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+EVERY_PAIR = [(c, a) for c in Collective for a in c.algorithms()]
+
+
+# --- the worker on real ranks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_algorithm_is_correct_on_real_ranks(world_size):
+    # 4 B: one element, so some ranks' chunks are empty; 28 B: 7 elements, uneven chunks.
+    cases = [CollectiveCase(c, a, size) for size in (4, 28, 1024) for c, a in EVERY_PAIR]
+    cases.append(CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 1024, torch.float32,
+                                segment_bytes=None))
+    cases.append(CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 4096, torch.float32,
+                                segment_bytes=64, window=2))
+    timings = measure_collectives(cases, world_size, iters=2, warmup=1, backend="gloo")
+    assert [t.case for t in timings] == cases  # same order as asked
+    wrong = [(t.case.collective.value, t.case.label, t.case.size_bytes) for t in timings
+             if not t.correct]
+    assert not wrong, f"incorrect results: {wrong}"
+    for t in timings:
+        assert t.world_size == world_size and t.backend == "gloo"
+        assert len(t.all_seconds) == 2 and all(s > 0 for s in t.all_seconds)
+        assert t.seconds == pytest.approx(sum(t.all_seconds) / 2)  # the median of two
+        assert t.algbw_gbps == pytest.approx(t.case.size_bytes / t.seconds / 1e9)
+        factor = (2 if t.case.collective is Collective.ALL_REDUCE else 1) * (world_size - 1)
+        assert t.busbw_gbps == pytest.approx(t.algbw_gbps * factor / world_size)
+
+
+def test_bfloat16_sums_are_exact_and_checked():
+    cases = [CollectiveCase(c, a, 256, torch.bfloat16) for c, a in EVERY_PAIR
+             if a in (Algorithm.RING, Algorithm.TORCH)]
+    timings = measure_collectives(cases, 2, iters=1, warmup=0, backend="gloo")
+    assert all(t.correct for t in timings)
+
+
+# --- the correctness verdict can say no -----------------------------------------------------------
+
+
+def test_results_match_rejects_wrong_values_shapes_and_dtypes():
+    expected = torch.tensor([1.0, -2.0, 3.0])
+    assert results_match(expected.clone(), expected)
+    off_by_one = expected.clone()
+    off_by_one[1] += 1
+    assert not results_match(off_by_one, expected)
+    assert not results_match(expected[:2], expected)
+    assert not results_match(expected.double(), expected)
+    assert not results_match(expected.reshape(3, 1), expected)
+
+
+def test_the_oracle_catches_typical_wrong_collectives():
+    """The expected results the worker compares with are exact sums of every rank's seeded
+    input, and typical mistakes (a rank's contribution missing, the wrong chunk, an average
+    instead of a sum) give a different tensor."""
+    world_size, numel = 3, 10
+    case = CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, numel * 4)
+    inputs = bench._Inputs.build([case], 0, world_size, torch.device("cpu"))
+    contributions = [seeded_input(numel, r, torch.float32) for r in range(world_size)]
+    total = contributions[0] + contributions[1] + contributions[2]
+    assert results_match(total, bench._expected(case, inputs, 0))
+    assert not results_match(contributions[0] + contributions[1], bench._expected(case, inputs, 0))
+    assert not results_match(total / world_size, bench._expected(case, inputs, 0))
+    assert torch.all(contributions[0] == contributions[0].round())  # integers: exact sums
+    scatter = CollectiveCase(Collective.REDUCE_SCATTER, Algorithm.RING, numel * 4)
+    inputs = bench._Inputs.build([scatter], 1, world_size, torch.device("cpu"))
+    bounds = shard_bounds(numel, world_size)
+    assert results_match(total[bounds[1]:bounds[2]], bench._expected(scatter, inputs, 1))
+    assert not results_match(total[bounds[0]:bounds[1]], bench._expected(scatter, inputs, 1))
+
+
+# --- cases, settings and records ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "size"), [("1K", 1024), ("64K", 65536), ("16M", 1 << 24),
+                                            ("1G", 1 << 30), ("4096", 4096), ("8B", 8),
+                                            ("1.5K", 1536), ("2MiB", 2 << 20)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+    assert parse_size(format_size(size)) == size
+
+
+@pytest.mark.parametrize("text", ["0", "-1K", "abc", "1.3", "12Q", "", "nan", "K"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"collective": Collective.ALL_GATHER, "algorithm": Algorithm.NAIVE}, "not one of them"),
+    ({"size_bytes": 6}, "multiple of 4"),
+    ({"size_bytes": 0}, "multiple of 4"),
+    ({"dtype": torch.int32}, "dtype"),
+    ({"algorithm": Algorithm.TORCH, "segment_bytes": 4096}, "only|defaults"),
+    ({"segment_bytes": 2}, "segment_bytes"),
+    ({"window": 0}, "window"),
+    ({"collective": "all-reduce"}, "Collective"),
+])
+def test_collective_case_refuses_bad_settings(kwargs, match):
+    settings = {"collective": Collective.ALL_REDUCE, "algorithm": Algorithm.RING,
+                "size_bytes": 1024, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        CollectiveCase(**settings)
+
+
+def test_sweep_cases_follow_the_algorithms_each_collective_supports():
+    settings = SweepSettings(sizes=(1024,), algorithms=(Algorithm.RING, Algorithm.NAIVE))
+    pairs = [(c.collective, c.algorithm) for c in settings.cases()]
+    assert pairs == [(Collective.ALL_REDUCE, Algorithm.RING), (Collective.ALL_REDUCE,
+                     Algorithm.NAIVE), (Collective.REDUCE_SCATTER, Algorithm.RING),
+                     (Collective.ALL_GATHER, Algorithm.RING)]
+    everything = SweepSettings(sizes=(1024, 4096))
+    assert len(everything.cases()) == 2 * sum(len(c.algorithms()) for c in Collective)
+    segments = SweepSettings(collectives=(Collective.ALL_REDUCE,), sizes=(4096,),
+                             algorithms=(Algorithm.RING,), segment_bytes=(None, 1024))
+    assert [c.label for c in segments.cases()] == ["ring (lock-step)",
+                                                   "ring (segment 1K, window 4)"]
+
+
+def test_records_round_trip():
+    case = CollectiveCase(Collective.REDUCE_SCATTER, Algorithm.RING, 4096, torch.float64,
+                          segment_bytes=None)
+    timing = CollectiveTiming(case, 4, "gloo", 2e-3, (1e-3, 2e-3, 5e-3), False)
+    record = json.loads(json.dumps(timing.as_record()))
+    assert timing_from_record(record) == timing
+    as_csv = {k: str(v) for k, v in record.items()}
+    as_csv["all_seconds"] = "0.001 0.002 0.005"
+    assert timing_from_record(as_csv) == timing
+    assert timing.summary(Statistic.MIN) == 1e-3 and timing.summary(Statistic.MEDIAN) == 2e-3
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any launch from labs.bench fails the test: bad flags must be refused before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a launch started although the flags were bad")
+    monkeypatch.setattr(bench, "launch", refuse)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--sizes", "3Q"], "--sizes"),
+    (["--sizes", "6"], "--sizes"),
+    (["--world-sizes", "1"], "--world-sizes"),
+    (["--world-sizes", "2", "99"], "--world-sizes"),
+    (["--iters", "0"], "--iters"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--collectives", "broadcast"], "--collectives"),
+    (["--collectives", "all-gather", "--algorithms", "naive"], "--algorithms"),
+    (["--collectives", "all-gather", "--algorithms", "ring", "naive"], "--algorithms"),
+    (["--algorithms", "fastest"], "--algorithms"),
+    (["--backends", "mpi"], "--backends"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--segment-bytes", "2"], "--segment-bytes"),
+    (["--window", "0"], "--window"),
+    (["--out", "results.txt"], "--out"),
+    (["--plot", "figure.svg"], "--plot"),
+    (["--timeout", "0"], "--timeout"),
+])
+def test_cli_refuses_bad_flags_before_launching(no_launch, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["collectives", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cli_skips_nccl_without_cuda(no_launch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["collectives", "--backends", "nccl"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "skipping nccl" in err and "--backends gloo" in err
+
+
+def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys):
+    out = tmp_path / "sweep.csv"
+    bench.main(["collectives", "--sizes", "1K", "4K", "--world-sizes", "2", "--iters", "2",
+                "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "world size 2" in printed and "busbw / torch" in printed
+    assert "ring busbw / torch busbw" in printed  # the summary table
+    with out.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    expected = 2 * sum(len(c.algorithms()) for c in Collective)
+    assert len(rows) == expected
+    assert {r["correct"] for r in rows} == {"True"}
+    assert all(float(r["seconds"]) > 0 and float(r["busbw_gbps"]) > 0 for r in rows)
+    assert len(read_timings(out)) == expected
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    out_json, plot = tmp_path / "sweep.json", tmp_path / "figs" / "busbw.png"
+    bench.main(["collectives", "--collectives", "all-reduce", "--algorithms", "ring", "torch",
+                "--sizes", "1K", "--world-sizes", "2", "--iters", "2", "--segment-bytes",
+                "none", "256", "--out", str(out_json), "--plot", str(plot)])
+    document = json.loads(out_json.read_text())
+    labels = [r["label"] for r in document["timings"]]
+    assert labels == ["ring (lock-step)", "ring (segment 256B, window 4)", "torch"]
+    assert document["settings"]["segment_bytes"] == [None, 256]
+    assert document["machine"]["cores"] >= 1
+    assert all(math.isfinite(t.seconds) for t in read_timings(out_json))
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_default_output_path():
+    assert DEFAULT_OUT.suffix == ".csv" and DEFAULT_SEGMENT_BYTES > 0

@@ -1,0 +1,253 @@
+"""Chapter 2's figures, tables and panel, drawn from real ranks.
+
+The ring frames are replayed from real traces (``Recorder(trace=True)`` on every rank): one
+frame per ring step plus the start, for an all-reduce and for each phase alone, and a tampered
+trace is refused. The traffic table's measured counts are checked against the closed forms,
+and a wrong count is shown to be flagged. The collective panel is built and its default run
+and a click both print a timing table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+
+import ipywidgets as w
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+
+from labs import widgets  # noqa: E402
+from labs.collectives import Algorithm, Collective, Phase, shard_bounds  # noqa: E402
+from labs.experiments import (  # noqa: E402
+    AgreementSettings,
+    TraceSettings,
+    Traffic,
+    TrafficRow,
+    TrafficSettings,
+    compare_algorithms,
+    expected_traffic,
+    measure_traffic,
+    run_ring_trace,
+)
+from labs.viz import (  # noqa: E402
+    plot_traffic,
+    ring_animation,
+    ring_frames,
+    ring_steps_figure,
+    ring_trace_table,
+    traffic_table,
+)
+
+
+@pytest.fixture(scope="module")
+def trace3():
+    return run_ring_trace(3, TraceSettings(numel=7))
+
+
+def _jshtml_frames(html: str) -> int:
+    match = re.search(r"var frames = new Array\((\d+)\)", html)
+    assert match, "no jshtml frame array in the animation"
+    assert html.count("data:image/png;base64") == int(match.group(1))
+    return int(match.group(1))
+
+
+# --- ring frames and the animation ------------------------------------------------------------
+
+
+def test_all_reduce_frames_replay_the_real_trace(trace3):
+    n, numel = 3, 7
+    frames = ring_frames(trace3.steps, n, numel)
+    assert len(trace3.steps) == n * 2 * (n - 1)  # every rank, every step of both phases
+    assert len(frames) == 2 * (n - 1) + 1
+    assert [f.title for f in frames] == [
+        "start", "reduce-scatter step 0", "reduce-scatter step 1",
+        "all-gather step 0", "all-gather step 1",
+    ]
+    bounds = shard_bounds(numel, n)
+    start = frames[0]
+    for rank in range(n):
+        assert torch.equal(torch.tensor([v for c in start.cells[rank] for v in c.values]),
+                           TraceSettings(numel=numel).tensor(rank))  # read back from the trace
+        assert all(c.contributors == {rank} for c in start.cells[rank])
+    total = sum(TraceSettings(numel=numel).tensor(r) for r in range(n))
+    for row in frames[-1].cells:
+        assert all(c.contributors == set(range(n)) for c in row)
+        assert torch.equal(torch.tensor([v for c in row for v in c.values]), total)
+    after_scatter = frames[n - 1]
+    for rank in range(n):  # rank r owns finished chunk r after the reduce-scatter
+        own = after_scatter.cells[rank][rank]
+        assert own.contributors == set(range(n))
+        assert own.values == tuple(total[bounds[rank]:bounds[rank + 1]].tolist())
+    for frame in frames[1:]:  # one message per rank per step, each to its right neighbour
+        assert sorted((t.source, t.dest) for t in frame.transfers) == [
+            (r, (r + 1) % n) for r in range(n)]
+
+
+def test_partial_sums_grow_by_one_rank_per_step(trace3):
+    frames = ring_frames(trace3.steps, 3, 7)
+    for k, frame in enumerate(frames[1:3]):  # reduce-scatter steps 0 and 1
+        for t in frame.transfers:
+            assert len(frame.cells[t.dest][t.chunk].contributors) == k + 2
+
+
+def test_animation_has_one_frame_per_step_plus_the_start(trace3):
+    html = ring_animation(trace3.steps, 3, 7).data
+    assert _jshtml_frames(html) == 2 * (3 - 1) + 1
+    assert not re.search(r"https?://|<link|fa-", html)  # offline: no CDN icons or styles
+
+
+@pytest.mark.parametrize("collective", [Collective.REDUCE_SCATTER, Collective.ALL_GATHER])
+def test_one_phase_traces(collective):
+    n, numel = 3, 5
+    trace = run_ring_trace(n, TraceSettings(collective, numel))
+    assert {s.phase for s in trace.steps} == {
+        Phase.REDUCE_SCATTER if collective is Collective.REDUCE_SCATTER else Phase.ALL_GATHER}
+    frames = ring_frames(trace.steps, n, numel)
+    assert len(frames) == n  # N-1 steps plus the start
+    assert _jshtml_frames(ring_animation(trace.steps, n, numel, dpi=40).data) == n
+    everyone = set(range(n))
+    if collective is Collective.ALL_GATHER:
+        for rank, row in enumerate(frames[0].cells):  # only its own shard at the start
+            assert [c is not None for c in row] == [c == rank for c in range(n)]
+            assert row[rank].values == trace.inputs[rank]
+        for row in frames[-1].cells:
+            assert all(c is not None and c.contributors == everyone for c in row)
+            assert tuple(v for c in row for v in c.values) == trace.outputs[0]
+    else:
+        for rank, row in enumerate(frames[-1].cells):
+            assert row[rank].contributors == everyone
+            assert row[rank].values == trace.outputs[rank]
+            assert all(len(c.contributors) < n for i, c in enumerate(row) if i != rank)
+    fig = ring_steps_figure(trace.steps, n, numel)
+    assert len([ax for ax in fig.axes if ax.patches]) == len(frames)
+    matplotlib.pyplot.close(fig)
+
+
+def test_explicit_initial_values_give_the_same_frames(trace3):
+    derived = ring_frames(trace3.steps, 3, 7)
+    given = ring_frames(trace3.steps, 3, 7, initial=trace3.inputs)
+    assert derived == given
+
+
+def test_a_tampered_trace_is_refused(trace3):
+    steps = list(trace3.steps)
+    i = next(i for i, s in enumerate(steps) if s.phase is Phase.ALL_GATHER and s.rank == 1)
+    steps[i] = dataclasses.replace(steps[i], received=tuple(v + 1 for v in steps[i].received))
+    with pytest.raises(ValueError, match="not one ring run"):
+        ring_frames(steps, 3, 7)
+    with pytest.raises(ValueError, match="ranks"):
+        ring_frames([s for s in trace3.steps if s.rank != 2], 3, 7)
+    with pytest.raises(ValueError, match="empty"):
+        ring_frames([], 1, 7)
+
+
+def test_trace_table_lists_every_step(trace3):
+    table = ring_trace_table(trace3.steps).splitlines()
+    assert len(table) == 2 + len(trace3.steps)
+    assert "values sent" in table[0]
+    # rank 0 sends its own chunk 2 (elements 6 and 7 of 1..7) at reduce-scatter step 0
+    assert re.search(r"reduce-scatter\s+0\s+0\s+2\s+1\s+6 7\b", table[2])
+
+
+def test_trace_settings_refuse_unreadable_traces():
+    with pytest.raises(ValueError, match="1..9 elements"):
+        TraceSettings(numel=10).validate(4)
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        run_ring_trace(8, TraceSettings(numel=8))
+
+
+# --- traffic beside the closed forms ----------------------------------------------------------
+
+
+def test_measured_traffic_equals_the_closed_forms():
+    rows = measure_traffic(range(2, 9))
+    assert len(rows) == 7 * 4
+    assert all(row.matches for row in rows), traffic_table([r for r in rows if not r.matches])
+    table = traffic_table(rows)
+    assert "NO" not in table
+    ring8 = next(r for r in rows if r.world_size == 8 and r.algorithm is Algorithm.RING)
+    assert ring8.measured.sent == Fraction(7, 4)
+    assert ring8.measured.group_messages == 2 * 8 * 7
+    naive8 = next(r for r in rows if r.world_size == 8 and r.algorithm is Algorithm.NAIVE)
+    assert naive8.measured == Traffic(7, Fraction(7), Fraction(7), 14)
+    fig = plot_traffic(rows)
+    assert [len(ax.lines) for ax in fig.axes] == [4, 4]
+    matplotlib.pyplot.close(fig)
+
+
+def test_a_wrong_count_is_flagged():
+    right = expected_traffic(Algorithm.RING, 4)
+    wrong = dataclasses.replace(right, sent=Fraction(3))
+    row = TrafficRow(4, Algorithm.RING, wrong, right)
+    assert not row.matches
+    assert traffic_table([row]).splitlines()[-1].endswith("NO")
+
+
+def test_closed_forms_of_recursive_doubling():
+    assert expected_traffic(Algorithm.RECURSIVE_DOUBLING, 8) == Traffic(3, 3, 3, 24)
+    # N = 6: P = 4, R = 2: ranks 1 and 3 also fold in and answer a neighbour
+    assert expected_traffic(Algorithm.RECURSIVE_DOUBLING, 6) == Traffic(3, 3, 3, 4 * 2 + 4)
+    with pytest.raises(ValueError, match="torch"):
+        expected_traffic(Algorithm.TORCH, 4)
+
+
+def test_traffic_settings_are_checked_before_launching():
+    with pytest.raises(ValueError, match="does not divide"):
+        measure_traffic([4], TrafficSettings(numel=10))
+    with pytest.raises(ValueError, match="cannot be counted"):
+        measure_traffic([2], TrafficSettings(algorithms=(Algorithm.TORCH,)))
+
+
+def test_only_the_whole_tensor_ring_leaves_ranks_disagreeing():
+    rows = compare_algorithms([3, 5], AgreementSettings(numel=512))
+    for row in rows:
+        if row.algorithm is Algorithm.WHOLE_TENSOR_RING:
+            assert row.differing > 0
+        else:
+            assert row.differing == 0, row
+        assert row.from_torch < 1e-5 and row.error < 1e-5
+
+
+# --- the collective panel ---------------------------------------------------------------------
+
+
+def test_panel_default_run_and_a_click(monkeypatch, capsys):
+    shown = []
+    monkeypatch.setattr(widgets, "display", shown.append)
+    widgets.collective_panel(Collective.ALL_REDUCE, world_size=2, size_bytes=4096,
+                             algorithms=[Algorithm.RING, Algorithm.TORCH], iters=1)
+    default = capsys.readouterr().out
+    assert re.search(r"all-reduce\s+ring\s+4K\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+True", default)
+    assert re.search(r"all-reduce\s+torch\s+4K", default)
+    assert "--world-sizes 2" in default
+    panel = shown[0]
+    assert isinstance(panel, w.VBox)
+    boxes = [c for c in panel.children[1].children if isinstance(c, w.Checkbox)]
+    assert [b.description for b in boxes] == [a.value for a in Algorithm]
+    assert [b.value for b in boxes] == [a in (Algorithm.RING, Algorithm.TORCH)
+                                        for a in Algorithm]
+    slider, dropdown, button = panel.children[0].children
+    slider.value = 3
+    boxes[-1].value = False  # torch off: only the ring
+    button.click()
+    clicked = capsys.readouterr().out
+    assert re.search(r"world size 3.*\n.*\n-+.*\n\s*all-reduce\s+ring\s+4K", clicked)
+    assert "torch" not in clicked.split("algorithms")[1].split("\n")[0]
+    for box in boxes:
+        box.value = False
+    button.click()
+    assert "Cannot run: choose at least one algorithm" in capsys.readouterr().out
+
+
+def test_panel_settings_refuse_bad_choices():
+    with pytest.raises(ValueError, match="not one of them"):
+        widgets.panel_settings(Collective.ALL_GATHER, 4, 4096, [Algorithm.NAIVE])
+    with pytest.raises(ValueError, match="world"):
+        widgets.panel_settings(Collective.ALL_REDUCE, 1, 4096)
+    one = widgets.panel_settings(Collective.REDUCE_SCATTER, 4, 1 << 20)
+    assert one.algorithms_of(Collective.REDUCE_SCATTER) == (Algorithm.RING, Algorithm.TORCH)
+    assert "--collectives reduce-scatter" in widgets.sweep_command(one)
