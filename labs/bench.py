@@ -48,6 +48,8 @@ from labs.collectives import (
     DEFAULT_WINDOW,
     Algorithm,
     Collective,
+    _torch_all_gather,
+    _torch_reduce_scatter,
     all_reduce,
     ring_all_gather,
     ring_all_reduce,
@@ -358,7 +360,7 @@ def _run(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int) -> t
                                        window=case.window)
         if even:
             out = torch.empty(hi - lo, dtype=case.dtype, device=inputs.mine.device)
-            dist.reduce_scatter_tensor(out, inputs.mine)
+            _torch_reduce_scatter(out, inputs.mine, dist.ReduceOp.SUM, None)
             return out
         return _reduce_scatter(inputs.mine, algorithm=Algorithm.TORCH)
     assert inputs.gathered is not None
@@ -368,7 +370,7 @@ def _run(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int) -> t
                                window=case.window)
     if even:
         out = torch.empty(case.numel, dtype=case.dtype, device=shard.device)
-        dist.all_gather_into_tensor(out, shard)
+        _torch_all_gather(out, shard, None)
         return out
     return _all_gather(shard, numel=case.numel, algorithm=Algorithm.TORCH)
 
@@ -419,7 +421,9 @@ def time_collectives(
     for indices in groups.values():
         inputs = _Inputs.build([found[i] for i in indices], rank, world_size, device)
         for it in range(warmup + iters):
-            for i in indices:
+            # Every other iteration in reverse order, so that no case always runs first
+            # after the inputs are refilled (or always right after another case).
+            for i in indices if it % 2 == 0 else indices[::-1]:
                 took, right = _time_one(found[i], inputs, rank, world_size, device)
                 if it >= warmup:
                     seconds[i, it - warmup] = took
@@ -664,6 +668,10 @@ class SweepSettings:
     segment_bytes: tuple[int | None, ...] = (DEFAULT_SEGMENT_BYTES,)
     window: int = DEFAULT_WINDOW
     timeout_s: float = 600.0
+    #: Launches per backend and world size, their iterations pooled: on a small machine the
+    #: way the ranks happen to share the cores changes from launch to launch, and moves the
+    #: timings of a whole launch together.
+    launches: int = 1
 
     def __post_init__(self) -> None:
         if not self.collectives or not all(isinstance(c, Collective) for c in self.collectives):
@@ -715,6 +723,9 @@ class SweepSettings:
             raise ValueError("--segment-bytes: give at least one segment size.")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"--window must be a positive int, got {self.window!r}.")
+        if isinstance(self.launches, bool) or not isinstance(self.launches, int) \
+                or self.launches < 1:
+            raise ValueError(f"--launches must be an int >= 1, got {self.launches!r}.")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
                 and self.timeout_s > 0):
             raise ValueError(f"--timeout must be a positive number of seconds, got "
@@ -772,12 +783,23 @@ def run_sweep(
     cases = settings.cases()
     timings: list[CollectiveTiming] = []
     for backend, world_size in plan:
-        timings += measure_collectives(cases, world_size, iters=settings.iters,
-                                       warmup=settings.warmup, backend=backend.value,
-                                       timeout=settings.timeout_s)
-        if progress is not None:
-            progress(len(cases))
+        runs = []
+        for _ in range(settings.launches):
+            runs.append(measure_collectives(cases, world_size, iters=settings.iters,
+                                            warmup=settings.warmup, backend=backend.value,
+                                            timeout=settings.timeout_s))
+            if progress is not None:
+                progress(len(cases))
+        timings += [_pool(same) for same in zip(*runs, strict=True)]
     return timings
+
+
+def _pool(runs: Sequence[CollectiveTiming]) -> CollectiveTiming:
+    """One timing from the same case measured in several launches: every iteration kept."""
+    times = tuple(t for run in runs for t in run.all_seconds)
+    first = runs[0]
+    return CollectiveTiming(first.case, first.world_size, first.backend,
+                            statistics.median(times), times, all(r.correct for r in runs))
 
 
 def _torch_of(timing: CollectiveTiming,
@@ -932,6 +954,7 @@ def _settings_record(settings: SweepSettings) -> dict[str, Any]:
         [a.value for a in settings.algorithms],
         "sizes": list(settings.sizes), "world_sizes": list(settings.world_sizes),
         "backends": [b.value for b in settings.backends], "iters": settings.iters,
+        "launches": settings.launches,
         "warmup": settings.warmup, "dtype": dtype_name(settings.dtype),
         "segment_bytes": list(settings.segment_bytes), "window": settings.window,
     }
@@ -1025,6 +1048,8 @@ def _add_collectives_parser(sub: Any) -> None:
                           f"(default: {format_size(DEFAULT_SEGMENT_BYTES)})")
     col.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                      help="segments the ring receives ahead")
+    col.add_argument("--launches", type=int, default=1,
+                     help="launches per backend and world size, iterations pooled (default 1)")
     col.add_argument("--timeout", type=float, default=600.0,
                      help="seconds per launch (one per backend and world size)")
     col.add_argument("--out", default=str(DEFAULT_OUT), help="results, .csv or .json")
@@ -1043,7 +1068,7 @@ def _collectives_main(opts: argparse.Namespace, parser: argparse.ArgumentParser)
             world_sizes=tuple(dict.fromkeys(opts.world_sizes)),
             backends=tuple(dict.fromkeys(opts.backends)), iters=opts.iters, warmup=opts.warmup,
             dtype=opts.dtype, segment_bytes=tuple(dict.fromkeys(opts.segment_bytes)),
-            window=opts.window, timeout_s=opts.timeout,
+            window=opts.window, timeout_s=opts.timeout, launches=opts.launches,
         )
         outputs = _outputs(opts.out, opts.plot)
     except ValueError as err:
@@ -1058,7 +1083,7 @@ def _collectives_main(opts: argparse.Namespace, parser: argparse.ArgumentParser)
     if crowded:
         print(f"note: {cores} CPU cores; gloo at world size {', '.join(map(str, crowded))} "
               "runs more ranks than cores, so ranks also wait for a core.", file=sys.stderr)
-    total = len(plan) * len(settings.cases())
+    total = len(plan) * len(settings.cases()) * settings.launches
     with tqdm(total=total, desc="collectives", unit="case", file=sys.stderr) as bar:
         timings = run_sweep(settings, progress=bar.update)
     print(sweep_tables(timings))

@@ -40,7 +40,7 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 #: The default segment of the pipelined ring on CPU; chosen with ``python -m labs.bench
 #: collectives`` (smaller segments pay gloo's per-message handshake too often, larger ones
 #: leave too little overlap between receiving one segment and reducing the previous one).
-DEFAULT_SEGMENT_BYTES = 1 << 20
+DEFAULT_SEGMENT_BYTES = 2 << 20
 #: How many incoming segments may be in flight at once in the pipelined ring.
 DEFAULT_WINDOW = 4
 

@@ -63,7 +63,8 @@ def sweep_command(settings: SweepSettings) -> str:
     return (f"python -m labs.bench collectives --collectives {collectives}{algorithms} "
             f"--sizes {' '.join(format_size(s) for s in settings.sizes)} "
             f"--world-sizes {' '.join(map(str, settings.world_sizes))} "
-            f"--iters {settings.iters} --warmup {settings.warmup}")
+            f"--iters {settings.iters} --warmup {settings.warmup}"
+            + (f" --launches {settings.launches}" if settings.launches != 1 else ""))
 
 
 def panel_settings(

@@ -238,3 +238,20 @@ def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys):
 
 def test_cli_default_output_path():
     assert DEFAULT_OUT.suffix == ".csv" and DEFAULT_SEGMENT_BYTES > 0
+
+
+def test_launches_must_be_a_positive_int() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="--launches"):
+            bench.SweepSettings(launches=bad)
+
+
+def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:
+    case = bench.CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 1 << 10)
+    first = bench.CollectiveTiming(case, 2, "gloo", 2.0, (1.0, 2.0, 3.0), True)
+    second = bench.CollectiveTiming(case, 2, "gloo", 20.0, (10.0, 20.0, 30.0), False)
+    pooled = bench._pool([first, second])
+    assert pooled.all_seconds == (1.0, 2.0, 3.0, 10.0, 20.0, 30.0)
+    assert pooled.seconds == 6.5  # the median of all six, not of the two medians
+    assert not pooled.correct
+    assert bench._pool([first, first]).correct

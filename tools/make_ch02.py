@@ -53,7 +53,8 @@ from IPython.display import Code, display
 
 from labs import launch
 from labs.bench import (
-    CollectiveCase, Statistic, format_size, measure_collectives, plot_busbw, sweep_tables,
+    CollectiveCase, Statistic, SweepSettings, format_size, measure_collectives, plot_busbw,
+    run_sweep, sweep_tables,
 )
 from labs.checks import check_ring_all_reduce
 from labs.collectives import (
@@ -71,7 +72,7 @@ from labs.viz import (
     agreement_table, format_table, plot_traffic, ring_animation, ring_steps_figure,
     ring_trace_table, traffic_table,
 )
-from labs.widgets import collective_panel
+from labs.widgets import collective_panel, sweep_command
 """),
     md(r"""
 ## The problem
@@ -474,14 +475,19 @@ move per byte of $S$, so that it can be compared with a link's speed whatever $N
 last table is the ratio of the ring's bus bandwidth to torch's (above 1: the ring is faster).
 These are the course's performance figures for the ring; the full sweep over every
 collective and size is `python -m labs.bench collectives`. On a machine shared with other
-work the timings move from run to run, small sizes most; run the cell again to see by how
-much before reading much into one ratio.
+work the timings move from run to run, small sizes most, and on a small machine they also
+move from launch to launch, with the way the ranks happen to share the cores; so the cell
+pools the iterations of three launches per world size, and each launch alternates the order
+of the two algorithms. Run it again to see by how much the ratios move before reading much
+into one of them.
 """),
     code("""
-bench_cases = [CollectiveCase(Collective.ALL_REDUCE, algorithm, size)
-               for size in (1 << 20, 1 << 24, 1 << 26)
-               for algorithm in (Algorithm.RING, Algorithm.TORCH)]
-bench = [t for n in (2, 4) for t in measure_collectives(bench_cases, n, iters=5)]
+bench_settings = SweepSettings(
+    collectives=(Collective.ALL_REDUCE,), algorithms=(Algorithm.RING, Algorithm.TORCH),
+    sizes=(1 << 20, 1 << 24, 1 << 26), world_sizes=(2, 4), iters=5, launches=3,
+)
+print("the same from a shell:", sweep_command(bench_settings))
+bench = run_sweep(bench_settings)
 print(sweep_tables(bench))
 """, IGNORE),
     code("""
