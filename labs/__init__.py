@@ -8,7 +8,9 @@ The library the book's notebooks import. Modules follow the chapters:
   point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces.
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model fitted on this machine.
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
-* :mod:`labs.checks` - the exercise checks, run on real ranks.
+* :mod:`labs.experiments` - chapters 2-4: ring traces, traffic counts, agreement across ranks.
+* :mod:`labs.checks` - the exercise checks, run on real ranks (chapters 2-4 in
+  :mod:`labs.checks_collectives`).
 * :mod:`labs.viz`, :mod:`labs.widgets` - tables, figures and widget panels.
 * :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``).
 """

@@ -43,7 +43,12 @@ VENDOR = ROOT / "book" / "static" / "vendor"  # see its README.md
 # The pages the browser opens; both must exist after `make book`.
 CHAPTER = "notebooks/01_toy_allreduce.html"
 INTRO = "book/intro.html"
-BROWSER_PAGES = [INTRO, CHAPTER]
+# Chapters 2-4 add matplotlib animations (JavaScript players) beside widgets and math.
+ANIMATED = [f"notebooks/{name}.html"
+            for name in ("02_allreduce_algorithms", "03_reduce_scatter", "04_all_gather")]
+BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED]
+# matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
+ANIMATION_FRAME_ID = "_anim_img"
 
 CHROMIUM = "chromium"
 CHROMIUM_MISSING = "install Debian's chromium: apt-get install chromium"
@@ -278,6 +283,8 @@ def missing_images(elements: list[Element], page: Path, html_root: Path) -> list
             continue
         src = el.attrs.get("src", "")
         if not src.strip():
+            if el.attrs.get("id", "").startswith(ANIMATION_FRAME_ID):
+                continue  # the player's script fills it in: test_page_renders_offline checks
             problems.append("<img> without src")
             continue
         if src.lower().startswith("data:"):
@@ -504,6 +511,14 @@ def test_page_renders_offline(html_root: Path, chromium: str, page: str) -> None
         # The course's chapter has math and widgets; an empty check would prove nothing.
         assert any(el.tag == "mjx-container" for el in rendered), "no math rendered"
         assert any("jupyter-widgets" in el.classes for el in rendered), "no widget rendered"
+    if page in ANIMATED:
+        # The player's first frame is an <img> whose data URI the player's script fills in.
+        frames = [el for el in rendered if el.tag == "img"
+                  and el.attrs.get("id", "").startswith(ANIMATION_FRAME_ID)]
+        assert frames, "no animation player on the page"
+        assert all(el.attrs.get("src", "").startswith("data:image") for el in frames), (
+            "an animation player did not load its first frame")
+        assert any("jupyter-widgets" in el.classes for el in rendered), "no widget rendered"
 
 
 # --------------------------------------------------------------------------- checker tests
@@ -541,7 +556,8 @@ def test_missing_images_catches_missing_empty_and_blank(tmp_path: Path) -> None:
     (tmp_path / "fig.png").write_bytes(b"\x89PNG not really")
     (tmp_path / "empty.png").write_bytes(b"")
     page = tmp_path / "page.html"
-    good = '<img src="fig.png"><img src="data:image/png;base64,iVBORw0KGgo=">'
+    good = ('<img src="fig.png"><img src="data:image/png;base64,iVBORw0KGgo=">'
+            '<img id="_anim_imgabc123">')  # an animation player's frame, filled by its script
     assert missing_images(parse_html(good), page, tmp_path) == []
     for bad in ('<img src="gone.png">', '<img src="empty.png">', "<img>",
                 '<img src="data:image/png;base64,">'):

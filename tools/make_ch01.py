@@ -4,24 +4,7 @@ Kept as a script so the chapter can be regenerated and reviewed as plain text; e
 then run `make notebooks`.
 """
 
-from pathlib import Path
-
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-CHECK = ["nbval-check-output"]  # nbval --nbval-lax compares these cells' outputs
-
-
-def md(text: str) -> nbformat.NotebookNode:
-    return new_markdown_cell(text.strip())
-
-
-def code(text: str, tags: list[str] | None = None) -> nbformat.NotebookNode:
-    cell = new_code_cell(text.strip())
-    if tags:
-        cell.metadata["tags"] = tags
-    return cell
-
+from nbgen import CHECK, code, md, write_notebook
 
 cells = [
     md(r"""
@@ -315,9 +298,4 @@ and what that costs.
 """),
 ]
 
-nb = new_notebook(cells=cells)
-nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nb.metadata["language_info"] = {"name": "python"}
-Path(__file__).resolve().parents[1].joinpath("notebooks", "01_toy_allreduce.ipynb").write_text(
-    nbformat.writes(nb)
-)
+write_notebook(cells, "01_toy_allreduce.ipynb")
