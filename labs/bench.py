@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ from labs.collectives import (
     DEFAULT_WINDOW,
     Algorithm,
     Collective,
+    RingBuffers,
     _torch_all_gather,
     _torch_reduce_scatter,
     all_reduce,
@@ -323,6 +324,8 @@ class _Inputs:
     total: torch.Tensor | None  # 1-D, numel: the exact sum over ranks
     gathered: torch.Tensor | None  # 1-D, numel: the all-gather's expected result
     bounds: list[int]
+    #: Kept across the calls of one size, as a training loop keeps its buckets' buffers.
+    ring_buffers: RingBuffers = field(default_factory=RingBuffers)
 
     @classmethod
     def build(cls, cases: Sequence[CollectiveCase], rank: int, world_size: int,
@@ -352,7 +355,7 @@ def _run(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int) -> t
     if case.collective is Collective.ALL_REDUCE:
         if case.algorithm is Algorithm.RING:
             return ring_all_reduce(inputs.work, segment_bytes=case.segment_bytes,
-                                   window=case.window)
+                                   window=case.window, buffers=inputs.ring_buffers)
         return all_reduce(inputs.work, algorithm=case.algorithm)
     if case.collective is Collective.REDUCE_SCATTER:
         if case.algorithm is Algorithm.RING:

@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup, ReduceOp, Work
 #: leave too little overlap between receiving one segment and reducing the previous one).
 DEFAULT_SEGMENT_BYTES = 2 << 20
 #: How many incoming segments may be in flight at once in the pipelined ring.
-DEFAULT_WINDOW = 4
+DEFAULT_WINDOW = 2
 
 _SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG)
 
@@ -91,6 +91,33 @@ class Recorder:
     trace: bool = False
     stats: CommStats = field(default_factory=CommStats)
     steps: list[RingStep] = field(default_factory=list)
+
+
+@dataclass
+class RingBuffers:
+    """Receive buffers for the pipelined ring, kept by the caller from one call to the next.
+
+    Without them every ``ring_all_reduce`` allocates ``window`` segment-sized scratch
+    buffers (4 MiB with the defaults) and frees them on return. Fresh pages cost: the kernel
+    zero-fills each one on first touch, and the C allocator tends to hand such large blocks
+    back to the kernel when they are freed, so the next call pays again. A caller that
+    all-reduces many times, as a training loop does (chapter 5's buckets) and as the
+    benchmark does, passes one ``RingBuffers`` and the scratch is allocated once. Nothing
+    else is kept: results never live in these buffers.
+    """
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def take(self, count: int, numel: int, dtype: torch.dtype,
+             device: torch.device) -> list[torch.Tensor]:
+        """``count`` 1-D buffers of ``numel`` elements, reused when the kept ones fit."""
+        fits = len(self.tensors) >= count and all(
+            t.numel() >= numel and t.dtype == dtype and t.device == device
+            for t in self.tensors[:count])
+        if not fits:
+            self.tensors = [torch.empty(numel, dtype=dtype, device=device)
+                            for _ in range(count)]
+        return [t[:numel] for t in self.tensors[:count]]
 
 
 # --- chunking -------------------------------------------------------------------------------
@@ -384,7 +411,8 @@ def _run_lockstep(peers: _Peers, steps: list[_RingStep]) -> None:
 
 
 def _run_pipelined(
-    peers: _Peers, steps: list[_RingStep], segment: int, window: int
+    peers: _Peers, steps: list[_RingStep], segment: int, window: int,
+    buffers: RingBuffers | None,
 ) -> None:
     """The same steps cut into segments and overlapped: as soon as a segment of step k has
     arrived and been combined it is sent on as that segment of step k+1, while later segments
@@ -399,8 +427,8 @@ def _run_pipelined(
     scratch_events = [e for e in range(len(events)) if uses_scratch[e]]
     longest = max((stop - start for e, (_, start, stop) in enumerate(events) if uses_scratch[e]),
                   default=0)
-    scratch = [torch.empty(longest, dtype=dtype, device=device)
-               for _ in range(min(window, len(scratch_events)))]
+    scratch = (buffers or RingBuffers()).take(min(window, len(scratch_events)), longest,
+                                              dtype, device)
     slot = {e: n % window for n, e in enumerate(scratch_events)}
     sends: dict[tuple[int, int], Work] = {}
     recvs: dict[int, tuple[Work, torch.Tensor]] = {}
@@ -446,7 +474,8 @@ def _run_pipelined(
 
 
 def _run_ring(
-    peers: _Peers, steps: list[_RingStep], segment_bytes: int | None, window: int
+    peers: _Peers, steps: list[_RingStep], segment_bytes: int | None, window: int,
+    buffers: RingBuffers | None = None,
 ) -> None:
     if not steps:
         return
@@ -455,13 +484,14 @@ def _run_ring(
         _run_lockstep(peers, steps)
     else:
         element = steps[0].send.element_size()
-        _run_pipelined(peers, steps, max(1, segment_bytes // element), max(1, window))
+        _run_pipelined(peers, steps, max(1, segment_bytes // element), max(1, window),
+                       buffers)
 
 
 def ring_all_reduce(
     tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
     *, recorder: Recorder | None = None, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
-    window: int = DEFAULT_WINDOW,
+    window: int = DEFAULT_WINDOW, buffers: RingBuffers | None = None,
 ) -> torch.Tensor:
     """Bandwidth-optimal all-reduce in place: a ring reduce-scatter, then a ring all-gather,
     over N chunks.
@@ -475,7 +505,8 @@ def ring_all_reduce(
 
     On CPU, chunks are cut into ``segment_bytes`` segments and pipelined (see
     :func:`_run_pipelined`); ``segment_bytes=None`` runs the plain lock-step ring (always
-    used for CUDA tensors and when ``recorder.trace`` is on).
+    used for CUDA tensors and when ``recorder.trace`` is on). Pass the same
+    :class:`RingBuffers` to repeated calls to keep the scratch buffers between them.
     """
     _check(tensor, op)
     peers = _Peers.of(group, recorder)
@@ -486,7 +517,7 @@ def ring_all_reduce(
         bounds = shard_bounds(flat.numel(), peers.size)
         scatter, mine = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=False)
         _run_ring(peers, scatter + _all_gather_steps(flat, bounds, peers.rank, mine),
-                  segment_bytes, window)
+                  segment_bytes, window, buffers)
         _finish(flat, op, peers.size)
 
     return _in_place(tensor, body)

@@ -48,6 +48,7 @@ from labs.collectives import (
     Collective,
     Phase,
     Recorder,
+    RingBuffers,
     all_gather,
     all_reduce,
     naive_all_reduce,
@@ -798,6 +799,29 @@ def test_all_gather_of_reduce_scatter_is_the_ring_all_reduce_bit_for_bit(world_s
     report([None if same_bits(reduced, gathered) else f"rank {rank} {what}: "
             f"{shorten(reduced)} vs {shorten(gathered)}"
             for rank, found in enumerate(ranks) for what, reduced, gathered in found])
+
+
+def reuse_buffers(rank, world_size, sizes):
+    """Repeated ring all-reduces sharing one RingBuffers, against fresh buffers each time."""
+    buffers, found = RingBuffers(), []
+    for numel in sizes:
+        x = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+        shared, fresh = x.clone(), x.clone()
+        ring_all_reduce(shared, segment_bytes=64, window=2, buffers=buffers)
+        ring_all_reduce(fresh, segment_bytes=64, window=2)
+        found.append((torch.equal(shared, fresh), [t.data_ptr() for t in buffers.tensors]))
+    return found
+
+
+def test_ring_buffers_are_reused_across_calls_and_change_nothing():
+    # 64-byte segments: every size below needs the same two 16-element scratch buffers.
+    ranks = launch(reuse_buffers, 3, args=([300, 301, 999, 64],), backend="gloo", echo=False,
+                   timeout=TIMEOUT)
+    for rank, found in enumerate(ranks):
+        assert all(same for same, _ in found), f"rank {rank}: kept buffers changed a result"
+        pointers = {tuple(ptrs) for _, ptrs in found}
+        assert len(pointers) == 1 and len(next(iter(pointers))) == 2, (
+            f"rank {rank}: the scratch was allocated again: {pointers}")
 
 
 # --- bad input ---------------------------------------------------------------------------------
