@@ -26,7 +26,13 @@ from labs.bench import (
     seeded_input,
     timing_from_record,
 )
-from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective, shard_bounds
+from labs.collectives import (
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_WINDOW,
+    Algorithm,
+    Collective,
+    shard_bounds,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -144,7 +150,7 @@ def test_sweep_cases_follow_the_algorithms_each_collective_supports():
     segments = SweepSettings(collectives=(Collective.ALL_REDUCE,), sizes=(4096,),
                              algorithms=(Algorithm.RING,), segment_bytes=(None, 1024))
     assert [c.label for c in segments.cases()] == ["ring (lock-step)",
-                                                   "ring (segment 1K, window 4)"]
+                                                   f"ring (segment 1K, window {DEFAULT_WINDOW})"]
 
 
 def test_records_round_trip():
@@ -229,7 +235,8 @@ def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys):
                 "none", "256", "--out", str(out_json), "--plot", str(plot)])
     document = json.loads(out_json.read_text())
     labels = [r["label"] for r in document["timings"]]
-    assert labels == ["ring (lock-step)", "ring (segment 256B, window 4)", "torch"]
+    assert labels == ["ring (lock-step)", f"ring (segment 256B, window {DEFAULT_WINDOW})",
+                      "torch"]
     assert document["settings"]["segment_bytes"] == [None, 256]
     assert document["machine"]["cores"] >= 1
     assert all(math.isfinite(t.seconds) for t in read_timings(out_json))
