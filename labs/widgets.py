@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ipywidgets as w
 import matplotlib.pyplot as plt
@@ -27,24 +27,33 @@ def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
     plt.close(fig)
 
 
-def toy_allreduce_panel(world_size: int = 4, seed: int = 0) -> None:
-    """World size, seed and a run button. The default run is shown at once, as ordinary
-    output (so a rendered page shows it); each click shows its own run in the panel."""
-    size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
-    seed_box = w.IntText(value=seed, description="seed", layout=w.Layout(width="160px"))
+def _run_button(out: w.Output, action: Callable[[], None]) -> w.Button:
+    """A "Run on real ranks" button: each click clears ``out`` and shows ``action``'s output
+    there; the button is disabled while the ranks run, so a second click cannot start a
+    second launch."""
     button = w.Button(description="Run on real ranks", button_style="primary", icon="play")
-    out = w.Output()
 
     def run(_: w.Button) -> None:
         button.disabled, button.description = True, "Running..."
         try:
             with out:
                 out.clear_output(wait=True)
-                show_toy_run(size.value, ToyAllReduceConfig(seed=seed_box.value))
+                action()
         finally:
             button.disabled, button.description = False, "Run on real ranks"
 
     button.on_click(run)
+    return button
+
+
+def toy_allreduce_panel(world_size: int = 4, seed: int = 0) -> None:
+    """World size, seed and a run button. The default run is shown at once, as ordinary
+    output (so a rendered page shows it); each click shows its own run in the panel."""
+    size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
+    seed_box = w.IntText(value=seed, description="seed", layout=w.Layout(width="160px"))
+    out = w.Output()
+    button = _run_button(out, lambda: show_toy_run(size.value,
+                                                   ToyAllReduceConfig(seed=seed_box.value)))
     display(w.VBox([w.HBox([size, seed_box, button]), out]))
     show_toy_run(world_size, ToyAllReduceConfig(seed=seed))
 
@@ -117,26 +126,18 @@ def collective_panel(
     boxes = {a: w.Checkbox(value=a in default.algorithms_of(collective), description=a.value,
                            indent=False, layout=w.Layout(width="auto"))
              for a in collective.algorithms()}
-    button = w.Button(description="Run on real ranks", button_style="primary", icon="play")
     out = w.Output()
 
-    def run(_: w.Button) -> None:
-        button.disabled, button.description = True, "Running..."
+    def run() -> None:
         try:
-            with out:
-                out.clear_output(wait=True)
-                try:
-                    chosen = [a for a, box in boxes.items() if box.value]
-                    settings = panel_settings(collective, size.value, message.value, chosen,
-                                              iters)
-                except ValueError as err:
-                    print(f"Cannot run: {err}")
-                    return
-                show_collective_run(settings)
-        finally:
-            button.disabled, button.description = False, "Run on real ranks"
+            chosen = [a for a, box in boxes.items() if box.value]
+            settings = panel_settings(collective, size.value, message.value, chosen, iters)
+        except ValueError as err:
+            print(f"Cannot run: {err}")
+            return
+        show_collective_run(settings)
 
-    button.on_click(run)
+    button = _run_button(out, run)
     display(w.VBox([w.HBox([size, message, button]),
                     w.HBox([w.Label("algorithms:"), *boxes.values()]), out]))
     show_collective_run(default)

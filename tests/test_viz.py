@@ -251,3 +251,16 @@ def test_panel_settings_refuse_bad_choices():
     one = widgets.panel_settings(Collective.REDUCE_SCATTER, 4, 1 << 20)
     assert one.algorithms_of(Collective.REDUCE_SCATTER) == (Algorithm.RING, Algorithm.TORCH)
     assert "--collectives reduce-scatter" in widgets.sweep_command(one)
+
+
+def test_toy_panel_default_run_and_a_click(monkeypatch, capsys):
+    shown = []
+    monkeypatch.setattr(widgets, "display", shown.append)
+    widgets.toy_allreduce_panel(world_size=2, seed=0)
+    assert "world size 2, seed 0" in capsys.readouterr().out
+    (controls, _out) = shown[0].children
+    slider, seed_box, button = controls.children
+    slider.value, seed_box.value = 3, 5
+    button.click()
+    assert "world size 3, seed 5" in capsys.readouterr().out
+    assert not button.disabled and button.description == "Run on real ranks"
