@@ -49,9 +49,9 @@ from labs.collectives import (
     Algorithm,
     Collective,
     RingBuffers,
-    _torch_all_gather,
-    _torch_reduce_scatter,
     all_reduce,
+    builtin_all_gather,
+    builtin_reduce_scatter,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
@@ -363,7 +363,7 @@ def _run(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int) -> t
                                        window=case.window)
         if even:
             out = torch.empty(hi - lo, dtype=case.dtype, device=inputs.mine.device)
-            _torch_reduce_scatter(out, inputs.mine, dist.ReduceOp.SUM, None)
+            builtin_reduce_scatter(out, inputs.mine, dist.ReduceOp.SUM, None)
             return out
         return _reduce_scatter(inputs.mine, algorithm=Algorithm.TORCH)
     assert inputs.gathered is not None
@@ -373,7 +373,7 @@ def _run(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int) -> t
                                window=case.window)
     if even:
         out = torch.empty(case.numel, dtype=case.dtype, device=shard.device)
-        _torch_all_gather(out, shard, None)
+        builtin_all_gather(out, shard, None)
         return out
     return _all_gather(shard, numel=case.numel, algorithm=Algorithm.TORCH)
 

@@ -717,26 +717,30 @@ def reduce_scatter(
     longest = bounds[1] - bounds[0]
     if longest * n == flat.numel():  # even chunks: no padded copy
         out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-        _torch_reduce_scatter(out, flat.contiguous(), op, group)
+        builtin_reduce_scatter(out, flat.contiguous(), op, group)
         return out
     padded = torch.zeros(longest * n, dtype=flat.dtype, device=flat.device)
     for i in range(n):  # chunk i at i*longest, so torch's even split matches ours
         padded[i * longest: i * longest + bounds[i + 1] - bounds[i]] = flat[bounds[i]:bounds[i + 1]]
     out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-    _torch_reduce_scatter(out, padded, op, group)
+    builtin_reduce_scatter(out, padded, op, group)
     return out[: bounds[r + 1] - bounds[r]].clone()
 
 
-def _torch_reduce_scatter(
+def builtin_reduce_scatter(
     out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup | None
 ) -> None:
-    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns);
-    # torch 2.4 has only the old one.
+    """torch.distributed's own reduce-scatter of ``tensor`` (numel = N x ``out``'s) into ``out``.
+
+    torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` (the old name
+    warns on every call); torch 2.4 has only the old one."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, tensor, op=op, group=group)
 
 
-def _torch_all_gather(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> None:
+def builtin_all_gather(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> None:
+    """torch.distributed's own all-gather of equal ``shard``s into ``out`` (``all_gather_single``
+    on torch 2.13, ``all_gather_into_tensor`` before)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, shard, group=group)
 
@@ -759,11 +763,11 @@ def all_gather(
     longest = bounds[1] - bounds[0]
     if longest * n == total:  # even shards: gather straight into the result
         out = torch.empty(total, dtype=flat.dtype, device=flat.device)
-        _torch_all_gather(out, flat.contiguous(), group)
+        builtin_all_gather(out, flat.contiguous(), group)
         return out
     padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     gathered = torch.empty(longest * n, dtype=flat.dtype, device=flat.device)
-    _torch_all_gather(gathered, padded, group)
+    builtin_all_gather(gathered, padded, group)
     return torch.cat([gathered[i * longest: i * longest + bounds[i + 1] - bounds[i]]
                       for i in range(n)])
