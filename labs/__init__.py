@@ -13,6 +13,8 @@ The library the book's notebooks import. Modules follow the chapters:
   :mod:`labs.checks_collectives`).
 * :mod:`labs.viz`, :mod:`labs.widgets` - tables, figures and widget panels.
 * :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``).
+* :mod:`labs.grading` - for instructors: release learners' copies of the notebooks and grade
+  them with nbval (``python -m labs.grading release|grade``).
 """
 
 from labs.launch import (

@@ -5,6 +5,10 @@ on its own, launch the learner's function on several world sizes, compare, and e
 most likely mistake when the answer is wrong. The verdict's first line is ``PASS: ...`` or
 ``FAIL: ...`` and depends only on the learner's code and the check's seed.
 
+``seed=0`` runs the documented cases. Any other seed also draws hidden cases from
+``random.Random(seed)`` (for exercise 1.1: one more world size and other layer widths), and the
+verdict names what it drew, so that a grader's verdict can be rerun by hand.
+
 Exercise 1.1 lives here; the checks of chapters 2-4 (``check_ring_all_reduce``,
 ``check_ring_reduce_scatter``, ``check_ring_all_gather``, ``check_composed_all_reduce``) live in
 :mod:`labs.checks_collectives` and are importable from here too.
@@ -12,6 +16,7 @@ Exercise 1.1 lives here; the checks of chapters 2-4 (``check_ring_all_reduce``,
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,31 +49,82 @@ def _report(result: CheckResult) -> CheckResult:
 # --- Exercise 1.1: average_gradients(model) ---------------------------------------------------
 
 
+#: A non-zero seed adds one of these world sizes (the documented ones stop at 4).
+_DRAWN_WORLD_SIZES = (5, 6)
+#: Ranges a non-zero seed draws the layer widths from: each excludes the documented width, so
+#: every parameter shape differs from the documented case.
+_DRAWN_INPUTS, _DRAWN_HIDDEN, _DRAWN_OUTPUTS = (4, 8), (5, 9), (3, 6)
+
+
+@dataclass(frozen=True)
+class _Widths:
+    """Layer widths of the check model: ``first = Linear(inputs, hidden)``,
+    ``second = Linear(hidden, outputs)``, and a frozen parameter of ``outputs`` elements."""
+
+    inputs: int = 3
+    hidden: int = 4
+    outputs: int = 2
+
+    def describe(self) -> str:
+        return (f"layers Linear({self.inputs}, {self.hidden}), "
+                f"Linear({self.hidden}, {self.outputs})")
+
+
+@dataclass(frozen=True)
+class _AveragePlan:
+    """What check 1.1 runs: the world sizes and the check model's widths."""
+
+    seed: int
+    world_sizes: tuple[int, ...]
+    drawn_world_size: int | None
+    widths: _Widths
+
+    @classmethod
+    def make(cls, world_sizes: Sequence[int], seed: int) -> _AveragePlan:
+        sizes = tuple(world_sizes)
+        if seed == 0:
+            return cls(seed, sizes, None, _Widths())
+        rng = random.Random(seed)
+        spare = [n for n in _DRAWN_WORLD_SIZES if n not in sizes]
+        extra = rng.choice(spare) if spare else None
+        widths = _Widths(rng.randint(*_DRAWN_INPUTS), rng.randint(*_DRAWN_HIDDEN),
+                         rng.randint(*_DRAWN_OUTPUTS))
+        return cls(seed, sizes + ((extra,) if extra else ()), extra, widths)
+
+    def note(self) -> str:
+        if self.seed == 0:
+            return ""
+        extra = f"world size {self.drawn_world_size} and " if self.drawn_world_size else ""
+        return (f" [seed {self.seed} drew {extra}{self.widths.describe()}; "
+                f"pass seed={self.seed} to rerun]")
+
+
 class _CheckModel(nn.Module):
     """Two trainable layers and one frozen parameter (its .grad stays None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, widths: _Widths = _Widths()) -> None:
         super().__init__()
-        self.first = nn.Linear(3, 4)
-        self.second = nn.Linear(4, 2)
-        self.frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.first = nn.Linear(widths.inputs, widths.hidden)
+        self.second = nn.Linear(widths.hidden, widths.outputs)
+        self.frozen = nn.Parameter(torch.zeros(widths.outputs), requires_grad=False)
 
 
-def _check_gradients(rank: int, seed: int) -> dict[str, torch.Tensor]:
+def _check_gradients(rank: int, seed: int, widths: _Widths) -> dict[str, torch.Tensor]:
     """The gradients rank ``rank`` starts from: different on every rank, known to the parent."""
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     return {
         name: torch.randn(p.shape, generator=generator)
-        for name, p in _CheckModel().named_parameters()
+        for name, p in _CheckModel(widths).named_parameters()
         if p.requires_grad
     }
 
 
 def _run_average_gradients(
-    rank: int, world_size: int, average_gradients: Callable[[nn.Module], object], seed: int
+    rank: int, world_size: int, average_gradients: Callable[[nn.Module], object], seed: int,
+    widths: _Widths,
 ) -> dict[str, torch.Tensor | None]:
-    model = _CheckModel()
-    for name, grad in _check_gradients(rank, seed).items():
+    model = _CheckModel(widths)
+    for name, grad in _check_gradients(rank, seed, widths).items():
         model.get_parameter(name).grad = grad.clone()
     average_gradients(model)
     return {
@@ -85,12 +141,23 @@ def check_average_gradients(
 ) -> CheckResult:
     """Exercise 1.1: after ``average_gradients(model)`` every rank's ``p.grad`` must hold the
     mean over ranks of the gradients they started with, for every trainable parameter, and
-    a frozen parameter's ``.grad`` must stay ``None``."""
+    a frozen parameter's ``.grad`` must stay ``None``.
+
+    A non-zero ``seed`` also runs one more world size (5 or 6) and a check model with other
+    layer widths, both drawn from ``random.Random(seed)``; the verdict names them."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
     name = "Exercise 1.1 average_gradients"
-    for world_size in world_sizes:
+    plan = _AveragePlan.make(world_sizes, seed)
+
+    def verdict(passed: bool, message: str) -> CheckResult:
+        return _report(CheckResult(name, passed, message + plan.note()))
+
+    for world_size in plan.world_sizes:
         try:
             results = launch(
-                _run_average_gradients, world_size, args=(average_gradients, seed),
+                _run_average_gradients, world_size,
+                args=(average_gradients, seed, plan.widths),
                 timeout=timeout, echo=False, backend="gloo",  # CPU tensors, even on GPU boxes
             )
         except RankError as err:
@@ -98,25 +165,23 @@ def check_average_gradients(
                 " Parameters with requires_grad=False have .grad None: skip them."
                 if "NoneType" in str(err) else ""
             )
-            return _report(CheckResult(
-                name, False,
+            return verdict(
+                False,
                 f"with {world_size} rank(s), rank {err.rank} raised {err.exc_type}.{hint}\n"
                 f"{err.remote_traceback}",
-            ))
+            )
         except LaunchTimeout as err:
-            return _report(CheckResult(
-                name, False,
+            return verdict(
+                False,
                 f"with {world_size} rank(s), rank(s) {err.ranks} hung: every rank must call "
                 "all_reduce on the same parameters, in the same order.",
-            ))
-        starts = [_check_gradients(rank, seed) for rank in range(world_size)]
-        verdict = _judge_average(starts, results)
-        if verdict:
-            return _report(CheckResult(name, False, f"with {world_size} rank(s), {verdict}"))
-    sizes = ", ".join(map(str, world_sizes))
-    return _report(CheckResult(
-        name, True, f"every rank holds the mean gradient on {sizes} rank(s)."
-    ))
+            )
+        starts = [_check_gradients(rank, seed, plan.widths) for rank in range(world_size)]
+        wrong = _judge_average(starts, results)
+        if wrong:
+            return verdict(False, f"with {world_size} rank(s), {wrong}")
+    sizes = ", ".join(map(str, plan.world_sizes))
+    return verdict(True, f"every rank holds the mean gradient on {sizes} rank(s).")
 
 
 def _judge_average(

@@ -6,6 +6,8 @@
   (also inside the saved state of an ``Output`` widget), every ``<img>`` resolves to a
   non-empty file, every relative link resolves to a file and every ``#anchor`` to an id,
   and nothing (script, stylesheet, image, font, iframe) is loaded from the network;
+* on every chapter page, each exercise's solution follows its ``Exercise N.M`` heading folded
+  in a ``<details>`` dropdown whose ``<summary>`` says "Show solution";
 * browser checks on the intro and chapter pages in headless Debian ``chromium`` with every
   host name unresolvable, so the page gets no network at all: after the scripts ran, every
   embedded widget view is rendered (``.jupyter-widgets`` elements, e.g. ``.widget-button``),
@@ -49,6 +51,12 @@ ANIMATED = [f"notebooks/{name}.html"
 BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED]
 # matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
 ANIMATION_FRAME_ID = "_anim_img"
+
+# An exercise's heading, and the label of its solution's dropdown (tools/nbgen.py sets it in
+# the cell's "mystnb" metadata; myst-nb's default is "Show code cell source").
+EXERCISE_HEADING = re.compile(r"\bExercise\s+(\d+\.\d+)\b")
+HEADING_TAGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
+SOLUTION_PROMPT = "Show solution"
 
 CHROMIUM = "chromium"
 CHROMIUM_MISSING = "install Debian's chromium: apt-get install chromium"
@@ -331,6 +339,64 @@ def broken_links(
     return problems
 
 
+def exercise_headings(elements: list[Element]) -> list[tuple[str, Element]]:
+    """(``"N.M"``, heading element) for every ``Exercise N.M`` heading, in page order."""
+    found = []
+    for el in elements:
+        if el.tag in HEADING_TAGS:
+            match = EXERCISE_HEADING.search(el.text)
+            if match:
+                found.append((match.group(1), el))
+    return found
+
+
+def solution_dropdowns(elements: list[Element]) -> list[str]:
+    """Every exercise's solution code sits in a "Show solution" dropdown after its heading.
+
+    myst-nb renders a code cell as ``div.cell`` with a ``tag_<name>`` class per cell tag; a
+    cell tagged ``hide-input`` wraps its ``div.cell_input`` in ``<details>``, whose
+    ``<summary>`` holds the cell's ``code_prompt_show`` and ``code_prompt_hide`` labels. The
+    solution of exercise N.M is each cell tagged ``solution`` and ``exercise-N.M``.
+    """
+    position = {id(el): i for i, el in enumerate(elements)}
+    problems = []
+    for exercise, heading in exercise_headings(elements):
+        cells = [el for el in elements
+                 if el.tag == "div" and {"cell", "tag_solution", f"tag_exercise-{exercise}"}
+                 <= el.classes]
+        if not cells:
+            problems.append(f"Exercise {exercise}: no solution cell (tagged solution and "
+                            f"exercise-{exercise}) on the page")
+        for cell in cells:
+            if position[id(cell)] < position[id(heading)]:
+                problems.append(f"Exercise {exercise}: a solution cell comes before the "
+                                "exercise's heading")
+            inputs = [d for d in cell.descendants() if "cell_input" in d.classes]
+            if not inputs:
+                problems.append(f"Exercise {exercise}: a solution cell shows no code")
+            for code in inputs:
+                dropdown = _enclosing_details(code, cell)
+                summary = next((c for c in dropdown.children if c.tag == "summary"),
+                               None) if dropdown else None
+                if summary is None:
+                    problems.append(f"Exercise {exercise}: the solution's code is not folded "
+                                    "in a <details> dropdown")
+                elif SOLUTION_PROMPT not in _text_of(summary):
+                    problems.append(f"Exercise {exercise}: the solution's dropdown says "
+                                    f"{_text_of(summary)!r}, not {SOLUTION_PROMPT!r}")
+    return problems
+
+
+def _enclosing_details(el: Element, within: Element) -> Element | None:
+    """The nearest ``<details>`` around ``el`` inside ``within``, or None."""
+    for ancestor in el.ancestors():
+        if ancestor is within:
+            return None
+        if ancestor.tag == "details":
+            return ancestor
+    return None
+
+
 # --------------------------------------------------------------------------- browser checks
 
 
@@ -458,6 +524,19 @@ def test_nothing_loaded_from_the_network(html_root: Path) -> None:
             r"""@import\s+(?:url\()?['"]?((?:https?:)?//[^'")\s;]+)""", text)
         if found:
             problems[str(css.relative_to(html_root))] = [f"loads {u!r}" for u in found]
+    _fail_on(problems)
+
+
+def test_solutions_fold_into_show_solution_dropdowns(html_root: Path) -> None:
+    # chapter pages are numbered (01_toy_allreduce.html); appendix pages (A1_...) have none
+    chapters = sorted((html_root / "notebooks").glob("[0-9]*.html"))
+    assert chapters, "no chapter pages under _build/html/notebooks"
+    problems = {}
+    for page in chapters:
+        elements = parse_html(page.read_text("utf-8"))
+        # every chapter ends with exercises: a page without one would pass vacuously
+        found = [] if exercise_headings(elements) else ["no 'Exercise N.M' heading on the page"]
+        problems[str(page.relative_to(html_root))] = found + solution_dropdowns(elements)
     _fail_on(problems)
 
 
@@ -642,3 +721,31 @@ def test_console_problems_catches_uncaught_errors_and_cdn_fallback() -> None:
     ):
         line = f"[1:1:1122/0:INFO:CONSOLE:6] {bad}, source: file:///x/embed-amd.js (6)"
         assert console_problems(line), bad
+
+
+def test_solution_dropdowns_catches_unfolded_mislabelled_and_misplaced_solutions() -> None:
+    heading = ('<section id="exercise-1-1"><h2>Exercise 1.1: <code>f</code>'
+               '<a class="headerlink" href="#exercise-1-1">#</a></h2><p>Write f.</p>')
+    code = ('<div class="cell_input docutils container"><div class="highlight"><pre>'
+            "def f(): pass</pre></div></div>")
+    cell_class = "cell tag_solution tag_exercise-1.1 tag_hide-input docutils container"
+
+    def solution(summary: str | None) -> str:
+        if summary is None:
+            return f'<div class="{cell_class}">{code}</div>'
+        return (f'<div class="{cell_class}"><details class="hide above-input"><summary>'
+                f'<p class="collapsed admonition-title">{summary}</p></summary>{code}'
+                "</details></div>")
+
+    good = heading + solution("Show solution") + "</section>"
+    assert solution_dropdowns(parse_html(good)) == []
+    assert solution_dropdowns(parse_html("<h2>Summary</h2><p>no exercise</p>")) == []
+    for bad in (
+        heading + solution(None) + "</section>",  # shown in full: no dropdown
+        heading + solution("Show code cell source") + "</section>",  # myst-nb's default label
+        solution("Show solution") + heading + "</section>",  # before the exercise
+        heading + "<p>no solution cell at all</p></section>",
+        # a dropdown elsewhere on the page does not count for the solution's code
+        "<details><summary>Show solution</summary></details>" + heading + solution(None),
+    ):
+        assert solution_dropdowns(parse_html(bad)), bad

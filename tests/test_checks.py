@@ -66,9 +66,30 @@ def rank_zero_skips_the_collective(model):
     correct(model)
 
 
+def divides_by_at_most_four(model):
+    """Right on the documented 1 to 4 ranks only."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= min(dist.get_world_size(), 4)
+
+
+DOCUMENTED_SHAPES = {(4, 3), (4,), (2, 4), (2,)}  # Linear(3, 4), Linear(4, 2)
+
+
+def averages_the_documented_shapes_only(model):
+    for p in model.parameters():
+        if p.grad is not None and tuple(p.shape) in DOCUMENTED_SHAPES:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 def test_reference_solution_passes(capsys):
     result = check_average_gradients(correct)
     assert result.passed
+    # seed 0 prints the documented verdict, the one stored in chapter 1's notebook
+    assert str(result) == ("PASS: Exercise 1.1 average_gradients: every rank holds the mean "
+                           "gradient on 1, 2, 3, 4 rank(s).")
     assert capsys.readouterr().out.startswith("PASS: Exercise 1.1")
 
 
@@ -94,6 +115,43 @@ def test_a_hanging_answer_fails_after_the_timeout():
     result = check_average_gradients(rank_zero_skips_the_collective, timeout=3)
     assert not result.passed
     assert "hung" in result.message
+
+
+def test_average_gradients_seed_draws_hidden_cases_and_names_them(capsys):
+    right = check_average_gradients(correct, world_sizes=(2,), seed=1)
+    assert right.passed, right.message
+    assert "seed 1 drew world size 5 and layers Linear(" in right.message
+    assert right.message.endswith("pass seed=1 to rerun]")
+    wrong = check_average_gradients(sum_without_dividing, world_sizes=(2,), seed=1)
+    assert not wrong.passed
+    assert "SUM over ranks" in wrong.message  # the diagnosis still works on the drawn shapes
+    assert "seed 1 drew" in wrong.message
+    assert "pass seed=1 to rerun" in wrong.message
+    other = check_average_gradients(correct, world_sizes=(2,), seed=5)
+    assert other.passed, other.message
+    assert "seed 5 drew world size 6" in other.message
+    assert other.message.split(" drew ")[1] != right.message.split(" drew ")[1]
+    assert check_average_gradients(correct, world_sizes=(2,), seed=1) == right  # reruns
+
+
+@pytest.mark.parametrize(
+    ("answer", "seed", "reason"),
+    [
+        (divides_by_at_most_four, 5, "with 6 rank(s)"),  # seed 5 draws world size 6
+        (averages_the_documented_shapes_only, 1, "unchanged"),  # and other layer widths
+    ],
+)
+def test_hidden_cases_catch_answers_fitted_to_the_documented_ones(answer, seed, reason):
+    assert check_average_gradients(answer).passed
+    hidden = check_average_gradients(answer, world_sizes=(1, 2), seed=seed)
+    assert not hidden.passed
+    assert reason in hidden.message
+    assert f"pass seed={seed} to rerun" in hidden.message
+
+
+def test_average_gradients_refuses_a_seed_that_is_not_an_int():
+    with pytest.raises(TypeError):
+        check_average_gradients(correct, seed="1")
 
 
 # --- Exercises 2.1-4.2: the collectives, built from point-to-point messages -------------------

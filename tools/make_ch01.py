@@ -4,7 +4,7 @@ Kept as a script so the chapter can be regenerated and reviewed as plain text; e
 then run `make notebooks`.
 """
 
-from nbgen import CHECK, code, md, write_notebook
+from nbgen import CHECK, check, code, md, setup, solution, write_notebook
 
 cells = [
     md(r"""
@@ -25,7 +25,7 @@ This chapter runs that idea on real processes:
 3. a panel to change the number of ranks and the values;
 4. an exercise: write `average_gradients(model)` yourself.
 """),
-    code("""
+    setup("""
 import fractions
 import inspect
 
@@ -267,17 +267,17 @@ parameter's `.grad` holding the mean of that gradient over all ranks.
 The check below runs your function on 1, 2, 3 and 4 real ranks, each starting from different
 gradients, and compares every rank's result with the mean.
 """),
-    code("""
+    solution("""
 def average_gradients(model):
     world_size = dist.get_world_size()
     for param in model.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
             param.grad /= world_size
-""", ["solution", "hide-input"]),
-    code("""
+""", "1.1"),
+    check("""
 result = check_average_gradients(average_gradients)
-""", CHECK + ["check"]),
+""", "1.1"),
     md(r"""
 ## Summary
 

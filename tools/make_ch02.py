@@ -4,7 +4,7 @@ Kept as a script so the chapter can be regenerated and reviewed as plain text; e
 then run `make notebooks`.
 """
 
-from nbgen import CHECK, HIDE, IGNORE, code, md, write_notebook
+from nbgen import CHECK, HIDE, IGNORE, check, code, md, setup, solution, write_notebook
 
 cells = [
     md(r"""
@@ -23,7 +23,7 @@ each one is measured rather than described:
 7. the ring against torch's built-in all-reduce, and why NCCL switches algorithms by size;
 8. a panel to time them yourself, and an exercise: write the ring.
 """),
-    code("""
+    setup("""
 import inspect
 import struct
 from fractions import Fraction
@@ -525,7 +525,7 @@ The check runs your function on 1 to 5 ranks with tensors of several shapes (inc
 elements than ranks and sizes $N$ does not divide), compares every rank's result with the
 exact sum, and counts the bytes each rank sends: no more than the ring's $2\frac{N-1}{N}S$.
 """),
-    code("""
+    solution("""
 def my_ring_all_reduce(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     if n == 1:
@@ -550,10 +550,10 @@ def my_ring_all_reduce(tensor):
     for k in range(n - 1):  # all-gather: pass the finished chunks round
         exchange(chunks[(rank - k) % n], chunks[(rank - k - 1) % n])
     return tensor
-""", ["solution", "hide-input"]),
-    code("""
+""", "2.1"),
+    check("""
 result = check_ring_all_reduce(my_ring_all_reduce)
-""", CHECK + ["check"]),
+""", "2.1"),
     md(r"""
 ## Summary
 

@@ -4,7 +4,7 @@ Kept as a script so the chapter can be regenerated and reviewed as plain text; e
 then run `make notebooks`.
 """
 
-from nbgen import CHECK, HIDE, code, md, write_notebook
+from nbgen import CHECK, HIDE, check, code, md, setup, solution, write_notebook
 
 cells = [
     md(r"""
@@ -30,7 +30,7 @@ This chapter runs it on real ranks and measures what it costs:
 4. why ZeRO and FSDP are built on it;
 5. a panel to time it, and an exercise: write it yourself from point-to-point messages.
 """),
-    code("""
+    setup("""
 import fractions
 import inspect
 
@@ -405,7 +405,7 @@ leaves `tensor` unchanged.
 The check runs your function on 1 to 5 real ranks, with tensors that $N$ divides and tensors
 it does not, and names the first thing that is wrong.
 """),
-    code("""
+    solution("""
 def ring_reduce_scatter(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     flat = tensor.reshape(-1)
@@ -429,10 +429,10 @@ def ring_reduce_scatter(tensor):
                 work.wait()
         partial = arriving + own           # now holds this rank's contribution too
     return partial                         # chunk `rank`, summed over all ranks
-""", ["solution", "hide-input"]),
-    code("""
+""", "3.1"),
+    check("""
 result = check_ring_reduce_scatter(ring_reduce_scatter)
-""", CHECK + ["check"]),
+""", "3.1"),
     md(r"""
 ## Summary
 

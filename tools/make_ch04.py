@@ -4,7 +4,7 @@ Kept as a script so the chapter can be regenerated and reviewed as plain text; e
 then run `make notebooks`.
 """
 
-from nbgen import CHECK, HIDE, code, md, write_notebook
+from nbgen import CHECK, HIDE, check, code, md, setup, solution, write_notebook
 
 cells = [
     md(r"""
@@ -32,7 +32,7 @@ This chapter:
    all-reduce, bit for bit;
 5. ends with a panel and two exercises.
 """),
-    code("""
+    setup("""
 from fractions import Fraction
 
 import torch
@@ -382,7 +382,7 @@ a new 1-D tensor of `numel` elements holding the shards in rank order.
   into its slot.
 * At most $\frac{N-1}{N}S$ bytes sent per rank, $S$ being the size of the result.
 """),
-    code("""
+    solution("""
 def ring_all_gather(shard, numel):
     rank, n = dist.get_rank(), dist.get_world_size()
     bounds = shard_bounds(numel, n)
@@ -404,10 +404,10 @@ def ring_all_gather(shard, numel):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
     return out
-""", ["solution", "hide-input"]),
-    code("""
+""", "4.1"),
+    check("""
 result = check_ring_all_gather(ring_all_gather)
-""", CHECK + ["check"]),
+""", "4.1"),
     md(r"""
 ## Exercise 4.2: an all-reduce from the two halves
 
@@ -415,10 +415,12 @@ Write `all_reduce(tensor)`: in place, on every rank, `tensor` must end up holdin
 element-wise sum over ranks, computed by **your** reduce-scatter followed by **your**
 all-gather, so each rank sends at most $2\frac{N-1}{N}S$ bytes.
 
-Your `ring_reduce_scatter` from Exercise 3.1 is needed here; so that this chapter runs on its
-own, the next cell defines one (hidden in the book). Replace it with yours if you like.
+The all-gather is your `ring_all_gather` from Exercise 4.1 above. The reduce-scatter is your
+`ring_reduce_scatter` from Exercise 3.1, in chapter 3's notebook: paste it into the next cell,
+so that this chapter runs on its own. That cell is part of this exercise, and the check below
+runs it through your `all_reduce`. (In the book, its dropdown shows a reference version.)
 """),
-    code("""
+    solution("""
 def ring_reduce_scatter(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     flat = tensor.reshape(-1)
@@ -442,16 +444,16 @@ def ring_reduce_scatter(tensor):
                 work.wait()
         partial = arriving + own
     return partial
-""", ["solution", "hide-input"]),
-    code("""
+""", "4.2"),
+    solution("""
 def all_reduce(tensor):
     shard = ring_reduce_scatter(tensor)                 # chunk `rank` of the sum
     total = ring_all_gather(shard, tensor.numel())      # every chunk, on every rank
     tensor.copy_(total.view_as(tensor))                 # in place, like dist.all_reduce
-""", ["solution", "hide-input"]),
-    code("""
+""", "4.2"),
+    check("""
 result = check_composed_all_reduce(all_reduce)
-""", CHECK + ["check"]),
+""", "4.2"),
     md(r"""
 ## Summary
 

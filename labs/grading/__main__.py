@@ -1,0 +1,75 @@
+"""``python -m labs.grading``: release learners' copies, grade their notebooks.
+
+    python -m labs.grading release OUT_DIR
+    python -m labs.grading grade STUDENT.ipynb [...] [--json report.json] [--seed N]
+
+``grade`` exits 0 when every exercise passed, 1 when any failed, 2 on bad input (nothing is
+run then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from labs.grading.grade import DEFAULT_REFERENCE_DIR, DEFAULT_TIMEOUT_S, GradeSettings, grade
+from labs.grading.notebook import GradingError
+from labs.grading.release import release
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labs.grading", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rel = sub.add_parser("release", help="write the learners' copies (solutions stubbed)")
+    rel.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    rel.add_argument("--force", action="store_true", help="overwrite notebooks in OUT_DIR")
+    gr = sub.add_parser("grade", help="grade learners' notebooks")
+    gr.add_argument("notebooks", nargs="+", type=Path, metavar="STUDENT.ipynb")
+    gr.add_argument("--json", type=Path, metavar="PATH",
+                    help="also write the report as JSON (- for stdout, instead of the table)")
+    gr.add_argument("--seed", type=int, help="seed of the hidden cases (default: drawn)")
+    gr.add_argument("--no-hidden", action="store_true", help="run the visible cases only")
+    gr.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="seconds each stage of an exercise may take (default %(default)s)")
+    gr.add_argument("--keep", type=Path, metavar="DIR",
+                    help="keep the generated notebooks and logs in DIR")
+    for command in (rel, gr):
+        command.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE_DIR,
+                             help="the reference notebooks (default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "release":
+            for item in release(args.reference, args.out_dir, force=args.force):
+                stubbed = ", ".join(item.exercises) or "no exercises"
+                print(f"wrote {item.path} (stubbed: {stubbed})")
+            return 0
+        settings = GradeSettings(reference_dir=args.reference, seed=args.seed,
+                                 timeout=args.timeout, hidden=not args.no_hidden,
+                                 keep=args.keep)
+        report = grade(args.notebooks, settings, progress=True)
+    except GradingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    as_json = json.dumps(report.to_json(), indent=2)
+    if args.json is not None and str(args.json) == "-":
+        print(as_json)
+    else:
+        print(report.table())
+        if args.json is not None:
+            args.json.write_text(as_json + "\n")
+    return 0 if report.passed else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

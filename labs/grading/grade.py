@@ -1,0 +1,426 @@
+"""Grade learners' notebooks: the learner's code, the reference's checks, compared by nbval.
+
+For every exercise of a learner's notebook, in two stages, each in its own kernel and each
+within the time limit (``GradeSettings.timeout``):
+
+1. **Collect.** A fresh kernel runs the reference's ``setup`` cells, the reference solutions of
+   the exercises before this one, then the learner's cells for this exercise (see
+   :func:`labs.grading.notebook.learner_cells`), and pickles the functions the checks take.
+   The learner's stored outputs are never read.
+2. **Judge.** Another fresh kernel, which never runs a learner's cell, runs the ``setup``
+   cells, loads those functions, and runs the reference's check cells, once as written and
+   once with ``seed=`` (hidden cases drawn at grading time), under ``pytest --nbval-lax``
+   against the outputs stored in the reference. A sanitizer reduces both sides to the
+   verdict (``PASS: Exercise 2.1``), because the hidden run's message names its cases.
+
+So printing a fake verdict, editing stored outputs, or redefining or monkeypatching the
+checker or ``launch`` in a cell changes nothing the judge sees. Each exercise is graded on its
+own: the other exercises' code comes from the reference, so one broken exercise fails only
+itself. Processes started by a stage are killed when it ends (:mod:`labs.grading.sandbox`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ipykernel.kernelspec
+import nbformat
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from tqdm.auto import tqdm
+
+from labs.grading import submission
+from labs.grading.notebook import Chapter, ExerciseCells, GradingError, learner_cells
+from labs.grading.release import METADATA_KEY, load_chapters
+from labs.grading.sandbox import ProcessSweep
+
+#: The course's reference notebooks (this checkout's notebooks/).
+DEFAULT_REFERENCE_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+#: Seconds each stage of one exercise may take before it is stopped and the exercise fails.
+DEFAULT_TIMEOUT_S = 300.0
+#: Both the reference output and the judged output are cut down to this before nbval compares.
+VERDICT_REGEX = r"(?s)^(PASS|FAIL): (Exercise \d+\.\d+)\b.*"
+VERDICT_REPLACE = r"\1: \2"
+_REASON_WIDTH = 110
+_ANSI = re.compile(r"(\x1b|#x1B)\[[0-9;]*m")  # junit XML writes ESC as "#x1B"
+_CURRENT_ENV = "labs-grading-current-env"
+_SOCKETS = "kernel-socket"  # prefix of the stage-1 kernel's ipc socket files (not kept)
+_LEARNER = "labs_grading_learner"  # cell metadata key marking the learner's cells in stage 1
+
+
+class Result(enum.Enum):
+    """The grade of one exercise."""
+
+    PASS = "PASS"
+    """Every check cell printed the reference's verdict, visible and hidden cases."""
+    FAIL = "FAIL"
+    """Anything else: a wrong answer, an error, a hang, a missing function."""
+
+
+@dataclass(frozen=True)
+class GradeSettings:
+    """What ``python -m labs.grading grade`` parses its flags into."""
+
+    reference_dir: Path = DEFAULT_REFERENCE_DIR
+    seed: int | None = None
+    """Seed of the hidden cases; None draws one (reported, so a failure can be rerun)."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    hidden: bool = True
+    """Also run every check with ``seed=`` (hidden cases)."""
+    keep: Path | None = None
+    """Keep the generated notebooks, pickles and nbval reports here (for debugging)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise GradingError(f"timeout must be a positive number of seconds, got "
+                               f"{self.timeout!r}.")
+        if self.seed is not None and (isinstance(self.seed, bool) or self.seed <= 0):
+            raise GradingError(f"seed must be a positive int (0 means no hidden cases: use "
+                               f"--no-hidden), got {self.seed!r}.")
+
+
+@dataclass(frozen=True)
+class ExerciseGrade:
+    exercise: str
+    title: str
+    result: Result
+    reason: str
+    """One line for the table."""
+    details: str = ""
+    """The full story: every check's verdict, or the error and its traceback."""
+    seconds: float = 0.0
+    checks: tuple[dict[str, object], ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.result is Result.PASS
+
+
+@dataclass(frozen=True)
+class NotebookGrade:
+    path: Path
+    chapter: str
+    exercises: tuple[ExerciseGrade, ...]
+
+    @property
+    def score(self) -> int:
+        return sum(e.passed for e in self.exercises)
+
+
+@dataclass(frozen=True)
+class Report:
+    seed: int | None
+    notebooks: tuple[NotebookGrade, ...] = field(default=())
+
+    @property
+    def score(self) -> int:
+        return sum(n.score for n in self.notebooks)
+
+    @property
+    def total(self) -> int:
+        return sum(len(n.exercises) for n in self.notebooks)
+
+    @property
+    def passed(self) -> bool:
+        return self.score == self.total
+
+    def table(self) -> str:
+        rows = [(str(n.path), e.exercise, e.result.value, _clip(e.reason))
+                for n in self.notebooks for e in n.exercises]
+        lines = _columns(("notebook", "exercise", "result", "reason"), rows)
+        if len(self.notebooks) > 1:
+            lines += ["", *_columns(("notebook", "score"),
+                                    [(str(n.path), f"{n.score}/{len(n.exercises)}")
+                                     for n in self.notebooks])]
+        seed = (f"hidden cases drawn with seed {self.seed}; rerun them with --seed "
+                f"{self.seed}" if self.seed else "no hidden cases")
+        lines += ["", f"total: {self.score}/{self.total} exercises passed ({seed})"]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "seed": self.seed, "passed": self.score, "total": self.total,
+            "notebooks": [{
+                "path": str(n.path), "chapter": n.chapter, "passed": n.score,
+                "total": len(n.exercises),
+                "exercises": [{
+                    "exercise": e.exercise, "title": e.title, "result": e.result.value,
+                    "reason": e.reason, "details": e.details, "seconds": round(e.seconds, 2),
+                    "checks": list(e.checks),
+                } for e in n.exercises],
+            } for n in self.notebooks],
+        }
+
+
+def _clip(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= _REASON_WIDTH else line[:_REASON_WIDTH - 3] + "..."
+
+
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)),
+            *(fmt.format(*r).rstrip() for r in rows)]
+
+
+# --- which reference does a learner's notebook belong to --------------------------------------
+
+
+def match_chapter(path: Path, chapters: Sequence[Chapter]) -> Chapter:
+    """The reference chapter of a learner's notebook: named in the metadata a release stamps,
+    else by file name. Raises GradingError (before anything runs) when neither tells."""
+    by_name = {c.name: c for c in chapters}
+    if not path.is_file():
+        raise GradingError(f"{path}: no such file.")
+    if path.suffix != ".ipynb":
+        raise GradingError(f"{path}: not a notebook (expected a .ipynb file).")
+    try:
+        stamped = json.loads(path.read_text()).get("metadata", {}).get(METADATA_KEY, {})
+        name = stamped.get("chapter") if isinstance(stamped, dict) else None
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        name = None  # unreadable: graded as a broken notebook if its file name tells
+    if name in by_name:
+        return by_name[name]
+    if path.name in by_name:
+        return by_name[path.name]
+    raise GradingError(
+        f"{path}: cannot tell which chapter it is: its metadata names none and its file name "
+        f"is none of {', '.join(by_name)}. Rename it to its chapter's file name.")
+
+
+def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = False) -> Report:
+    """Grade learners' notebooks against the reference notebooks; see the module docstring."""
+    if not paths:
+        raise GradingError("give at least one learner notebook to grade.")
+    chapters = load_chapters(settings.reference_dir)
+    plan = [(Path(p), match_chapter(Path(p), chapters)) for p in paths]  # before any process
+    seed = None if not settings.hidden else settings.seed or random.SystemRandom().randrange(
+        1, 1_000_000)
+    root = Path(tempfile.mkdtemp(prefix="labs-grading-"))
+    total = sum(len(c.exercises) for _, c in plan)
+    graded = []
+    try:
+        with tqdm(total=total, disable=not progress, unit="exercise", file=sys.stderr) as bar:
+            for index, (path, chapter) in enumerate(plan):
+                grades = []
+                learner = _read_learner(path)
+                for ex in chapter.exercises:
+                    bar.set_postfix_str(f"{path.name} {ex.exercise}")
+                    work = root / f"{index:03d}-{path.stem}" / ex.exercise
+                    work.mkdir(parents=True)
+                    grades.append(grade_exercise(chapter, learner, ex, seed, settings.timeout,
+                                                 work))
+                    bar.update()
+                graded.append(NotebookGrade(path, chapter.name, tuple(grades)))
+    finally:
+        if settings.keep is not None:
+            shutil.copytree(root, settings.keep, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(f"{_SOCKETS}*"))
+        shutil.rmtree(root, ignore_errors=True)
+    return Report(seed, tuple(graded))
+
+
+def _read_learner(path: Path) -> nbformat.NotebookNode | str:
+    """The learner's notebook, or why it cannot be read (then every exercise fails)."""
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception as err:  # noqa: BLE001 - a damaged file fails the notebook, not the run
+        return f"the notebook cannot be read ({type(err).__name__}: {err})"
+
+
+def grade_exercise(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: ExerciseCells,
+                   seed: int | None, timeout: float, work: Path) -> ExerciseGrade:
+    """Collect the learner's functions for one exercise, then judge them."""
+    start = time.perf_counter()
+
+    def fail(reason: str, details: str = "", checks: tuple[dict[str, object], ...] = ()
+             ) -> ExerciseGrade:
+        return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, reason, details or reason,
+                             time.perf_counter() - start, checks)
+
+    if isinstance(learner, str):
+        return fail(learner)
+    cells = learner_cells(learner, ex.exercise)
+    if not cells:
+        return fail(f"no cell of the notebook is tagged solution/exercise-{ex.exercise}: write "
+                    "your code in the exercise's cell (keep its tags).")
+    with ProcessSweep():
+        problem = _collect(chapter, learner, ex, cells, timeout, work)
+    if problem:
+        return fail(*problem)
+    with ProcessSweep():
+        verdict = _judge(chapter, ex, seed, timeout, work)
+    passed, reason, details, checks = verdict
+    if not passed:
+        return fail(reason, details, checks)
+    return ExerciseGrade(ex.exercise, ex.title, Result.PASS, reason, details,
+                         time.perf_counter() - start, checks)
+
+
+# --- stage 1: run the learner's cells, export their functions ---------------------------------
+
+
+class _CurrentEnvSpecs(KernelSpecManager):
+    """Kernels run this interpreter (the one with ``labs``), whatever kernels are installed."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        if kernel_name == _CURRENT_ENV:
+            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
+                                          **ipykernel.kernelspec.get_kernel_dict())
+        return super().get_kernel_spec(kernel_name)
+
+
+def _code(source: str, **metadata: object) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(source)
+    cell.metadata.update(metadata)
+    return cell
+
+
+def _notebook(cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    return nb
+
+
+def _collect(chapter: Chapter, learner: nbformat.NotebookNode, ex: ExerciseCells,
+             cells: list[str], timeout: float, work: Path) -> tuple[str, str] | None:
+    """Stage 1. Returns (reason, details) when the learner's functions cannot be had."""
+    nb_cells = [_code(s) for s in chapter.sources(chapter.setup)]
+    for other in chapter.exercises:
+        if other.exercise == ex.exercise:
+            nb_cells += [_code(s, **{_LEARNER: True}) for s in cells]
+            break
+        nb_cells += [_code(s) for s in chapter.sources(other.solutions)]
+    exported = work / "submission"
+    nb_cells.append(_code(
+        "import labs.grading.submission as _labs_grading\n"
+        f"_labs_grading.export(globals(), {ex.submitted!r}, {str(exported)!r})"))
+    nb = _notebook(nb_cells)
+    # ipc: a local socket file rather than TCP (ipykernel warns about unencrypted TCP)
+    km = AsyncKernelManager(kernel_name=_CURRENT_ENV, kernel_spec_manager=_CurrentEnvSpecs(),
+                       transport="ipc", ip=str(work / _SOCKETS))
+    client = NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=True,
+                            resources={"metadata": {"path": str(work)}})
+    try:
+        client.execute()
+    except CellTimeoutError:
+        return (f"your code did not finish within {timeout:g} s when its cells were run (a "
+                "loop that never ends, or a long call at the top level of a cell?)", "")
+    except DeadKernelError as err:
+        return ("the kernel died while running your cells (exit(), os._exit() or a crash)",
+                str(err))
+    finally:
+        nbformat.write(nb, work / "collect.ipynb")
+    cell_error = _first_error(c for c in nb.cells if c.metadata.get(_LEARNER))
+    broken = [n for n in ex.submitted if not submission.read_index(exported).get(n, {}).get("ok")]
+    if not broken:
+        return None  # an error after the definitions does not matter: the checks decide
+    index = submission.read_index(exported)
+    why = "; ".join(str(index.get(n, {}).get("error", f"`{n}` was not exported")) for n in broken)
+    if cell_error:
+        return f"{why} Your cell raised {cell_error[0]}", cell_error[1]
+    if not index:
+        return ("your cells stopped the grading before your functions could be collected "
+                "(did a cell change the grader's imports?)", "")
+    return why, ""
+
+
+def _first_error(cells: object) -> tuple[str, str] | None:
+    for cell in cells:  # type: ignore[attr-defined]
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                head = f"{out.get('ename')}: {out.get('evalue')}"
+                return head, _ANSI.sub("", "\n".join(out.get("traceback", [])))
+    return None
+
+
+# --- stage 2: the reference checks on the collected functions, under nbval --------------------
+
+
+def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float,
+           work: Path) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
+    """Stage 2. Returns (passed, reason, details, per-check verdicts)."""
+    verdicts_path = work / "verdicts.json"
+    cells = [_code(s) for s in chapter.sources(chapter.setup)]
+    cells.append(_code(
+        "import labs.grading.submission as _labs_grading\n"
+        f"globals().update(_labs_grading.load({str(work / 'submission')!r}))\n"
+        "_labs_grading_verdicts = []"))
+    for index, call in zip(ex.checks, ex.calls, strict=True):
+        expected = chapter.nb.cells[index].outputs
+        runs = [call.call_source] + ([call.with_seed(seed)] if seed else [])
+        for source in runs:
+            cell = _code(f"_labs_grading_verdicts.append({source})",
+                         tags=["nbval-check-output"])
+            cell.outputs = [nbformat.from_dict(dict(o)) for o in expected]
+            cell.execution_count = len(cells)  # nbval refuses outputs of a cell never run
+            cells.append(cell)
+    cells.append(_code(
+        f"_labs_grading.write_verdicts(_labs_grading_verdicts, {str(verdicts_path)!r})"))
+    nbformat.write(_notebook(cells), work / "judge.ipynb")
+    (work / "sanitize.cfg").write_text(
+        f"[verdict]\nregex: {VERDICT_REGEX}\nreplace: {VERDICT_REPLACE}\n")
+    (work / "pytest.ini").write_text("[pytest]\n")
+    command = [
+        sys.executable, "-m", "pytest", "judge.ipynb", "-q", "-p", "no:cacheprovider",
+        "-c", "pytest.ini", "--rootdir", ".", "--nbval-lax", "--nbval-current-env",
+        f"--nbval-cell-timeout={int(timeout)}", "--nbval-sanitize-with", "sanitize.cfg",
+        "--junitxml", "junit.xml",
+    ]
+    try:
+        run = subprocess.run(command, cwd=work, capture_output=True, text=True,
+                             timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return (False, f"the checks did not finish within {timeout:g} s", "", ())
+    (work / "pytest.log").write_text(run.stdout + run.stderr)
+    checks = tuple(json.loads(verdicts_path.read_text())) if verdicts_path.is_file() else ()
+    failures = _junit_failures(work / "junit.xml")
+    details = "\n\n".join(str(c["message"]) for c in checks)
+    if run.returncode == 0 and checks and all(c["passed"] for c in checks):
+        return True, f"{len(checks)} check(s) passed", details, checks
+    failed = [c for c in checks if not c["passed"]]
+    if failed:
+        return False, str(failed[0]["message"]), "\n\n".join(
+            f"{'PASS' if c['passed'] else 'FAIL'}: {c['message']}" for c in checks), checks
+    if failures:
+        return False, _last_error_line(failures[0]), "\n\n".join(failures), checks
+    return False, ("the checks did not run (pytest exit code "
+                   f"{run.returncode}): {_clip(run.stdout + run.stderr)}"), run.stdout, checks
+
+
+def _junit_failures(path: Path) -> list[str]:
+    if not path.is_file():
+        return []
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return []
+    texts = []
+    for case in root.iter("testcase"):
+        for bad in (*case.findall("failure"), *case.findall("error")):
+            texts.append(_ANSI.sub("", bad.text or bad.get("message", "")))
+    return texts
+
+
+def _last_error_line(text: str) -> str:
+    """The ``SomeError: why`` line of a traceback, else the first line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b", ln)]
+    return errors[-1] if errors else (lines[0] if lines else "the check cell failed")

@@ -1,0 +1,111 @@
+"""Leave no process behind: whatever a learner's code starts is killed when its stage ends.
+
+A learner's notebook may start ranks that hang, or a kernel that never returns. Each grading
+stage runs inside :class:`ProcessSweep`: on exit it kills every process that descends from
+the grader and did not exist when the stage began (kernels, pytest, ranks, and anything those
+started). On Linux the grader first makes itself a *child subreaper* (``prctl``), so a process
+whose parent died is re-parented to the grader instead of to init and is still found.
+
+This is clean-up, not a security sandbox: the learner's code runs with the grader's rights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from types import TracebackType
+
+import psutil
+
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+def _prctl(option: int, value: int | ctypes.c_int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        arg = ctypes.byref(value) if isinstance(value, ctypes.c_int) else value
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_subreaper() -> bool:
+    """Whether orphaned descendants are re-parented to this process (Linux only)."""
+    flag = ctypes.c_int(0)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, flag) and bool(flag.value)
+
+
+def set_subreaper(on: bool) -> bool:
+    """Ask Linux to re-parent (or stop re-parenting) orphaned descendants to this process;
+    False where that is not possible."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, int(on))
+
+
+def descendants() -> dict[int, psutil.Process]:
+    """Every live descendant of this process, by pid."""
+    try:
+        return {p.pid: p for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def kill_new(before: set[int], rounds: int = 5) -> list[int]:
+    """SIGKILL every descendant not in ``before`` (repeating while kills orphan others) and
+    reap those that are our own children. Returns the pids killed."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        targets = [p for pid, p in descendants().items() if pid not in before]
+        if not targets:
+            break
+        for proc in targets:
+            try:
+                proc.kill()
+                killed.append(proc.pid)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(targets, timeout=5)
+    _reap(before)
+    return killed
+
+
+def _reap(before: set[int]) -> None:
+    """Collect exit statuses of dead children that were re-parented to us (no zombies)."""
+    for proc in psutil.Process().children():
+        if proc.pid in before:
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+class ProcessSweep:
+    """``with ProcessSweep(): ...`` kills, on exit, every process started inside the block.
+
+    The process is a subreaper only inside the block: outside it, an orphan re-parented to a
+    long-lived caller (a test session, a notebook kernel) that never waits for it would stay
+    a zombie."""
+
+    def __init__(self) -> None:
+        self.before: set[int] = set()
+        self.killed: list[int] = []
+        self._was_subreaper = False
+
+    def __enter__(self) -> ProcessSweep:
+        self._was_subreaper = is_subreaper()
+        set_subreaper(True)
+        self.before = set(descendants())
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.killed = kill_new(self.before)
+        finally:
+            if not self._was_subreaper:
+                set_subreaper(False)
