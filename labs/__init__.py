@@ -25,6 +25,7 @@ from labs.launch import (
     RankResults,
     StartMethod,
     launch,
+    rank_device,
     shutdown,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "RankResults",
     "StartMethod",
     "launch",
+    "rank_device",
     "shutdown",
 ]

@@ -59,7 +59,7 @@ from labs.collectives import (
 )
 from labs.collectives import all_gather as _all_gather
 from labs.collectives import reduce_scatter as _reduce_scatter
-from labs.launch import MAX_WORLD_SIZE, Backend, StartMethod, launch
+from labs.launch import MAX_WORLD_SIZE, Backend, StartMethod, launch, rank_device
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -294,9 +294,7 @@ def _check_cases(cases: object, iters: object, warmup: object) -> list[Collectiv
 
 def _device(rank: int) -> torch.device:
     """Where this rank's tensors live: its own GPU under NCCL, the CPU otherwise."""
-    if dist.get_backend() == Backend.NCCL.value:
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return rank_device()
 
 
 def _sync(device: torch.device) -> None:

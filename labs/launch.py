@@ -268,6 +268,17 @@ def launch(
     return results
 
 
+def rank_device() -> torch.device:
+    """Where this rank's tensors belong: its own GPU under nccl, the CPU under gloo.
+
+    Call it inside a worker. :func:`launch` (``cuda:rank``) and :func:`run_torchrun`
+    (``cuda:LOCAL_RANK``) have already made that GPU the current device, so a worker never
+    needs RANK or LOCAL_RANK to find it."""
+    if dist.is_initialized() and dist.get_backend() == Backend.NCCL.value:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shutdown() -> None:
     """Stop the forkserver helper (it is restarted by the next launch).
 

@@ -1,0 +1,410 @@
+"""Chapter 5: data parallelism by hand, the naive way and then the way PyTorch DDP does it.
+
+Every rank holds the whole model and its own slice of the batch. After ``loss.backward()``
+each rank's gradients come from its own samples; averaging them over the N ranks gives the
+gradient of the mean loss over all samples, provided every rank's local batch has the same
+size (chapter 1). Both wrappers below make that average, and both are used the same way:
+
+    model = DDP(net)                          # or NaiveDDP(net)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    model.finish_gradient_synchronization()   # every p.grad now holds the average
+    optimizer.step()
+
+Cost per step, whichever wrapper: each rank sends 2(N-1)/N * S bytes, S being the bytes of
+all trainable gradients (a ring all-reduce, chapter 2). What differs is the number of
+messages and when they are sent:
+
+* :class:`NaiveDDP` waits for backward to end, then all-reduces each gradient on its own:
+  one collective per parameter (each pays the latency alpha), none overlapping backward.
+* :class:`DDP` packs gradients into flat buckets of about ``bucket_cap_mb``, in reverse
+  registration order (roughly the order backward produces them), and launches a bucket's
+  all-reduce asynchronously the moment its last gradient is ready, so communication runs
+  while backward computes the gradients of earlier layers.
+
+The names follow ``torch.nn.parallel.DistributedDataParallel``: ``.module``, ``no_sync()``,
+``bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: torch DDP's default bucket size, in MiB.
+DEFAULT_BUCKET_CAP_MB = 25.0
+_MIB = 1024 * 1024
+
+
+def broadcast_state(module: nn.Module, group: dist.ProcessGroup | None = None, src: int = 0
+                    ) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s (in place).
+
+    Ranks may have built their models from different seeds; after this they start from the
+    same point, which the averaging of gradients then keeps them at. One broadcast per tensor
+    (S bytes from the source, a tree or ring inside the backend)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src,
+                           group=group)
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter that needs a gradient, in registration order,
+    each shared (tied) parameter once, under the first name it was registered with."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+class _SyncMixin:
+    """``no_sync()`` for both wrappers: the flag that gradient synchronisation reads."""
+
+    require_backward_grad_sync: bool
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside the block (and their
+        ``finish_gradient_synchronization()``) send nothing. The first backward after the
+        block synchronises the sum of everything accumulated, so k micro-batches cost one
+        all-reduce instead of k. Put forward *and* backward inside the block."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+
+class NaiveDDP(_SyncMixin, nn.Module):
+    """Data parallelism in its plainest form: after backward, all-reduce every gradient.
+
+    At construction the parameters and buffers of rank 0 are broadcast to every rank.
+    :meth:`finish_gradient_synchronization` then sums each trainable parameter's gradient
+    over the ranks and divides by N: ``len(parameters)`` blocking all-reduces per step,
+    started only after backward has finished.
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None
+                 ) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.require_backward_grad_sync = True
+        broadcast_state(module, process_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average every trainable gradient over the ranks (nothing inside ``no_sync()``).
+
+        Every rank must all-reduce the same tensors in the same order, so a trainable
+        parameter without a gradient on this rank is an error here, named, rather than a
+        hang in a peer."""
+        if not self.require_backward_grad_sync:
+            return
+        world_size = dist.get_world_size(self.process_group)
+        missing = [name for name, p in trainable_parameters(self.module) if p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"NaiveDDP: parameter(s) {missing} got no gradient in this backward pass, so "
+                "this rank cannot all-reduce the same gradients as the others. Use every "
+                "parameter in forward, freeze it (requires_grad=False), or use "
+                "DDP(..., find_unused_parameters=True).")
+        for _, param in trainable_parameters(self.module):
+            dist.all_reduce(param.grad, group=self.process_group)
+            param.grad /= world_size
+
+
+# --- bucketed, overlapped DDP ------------------------------------------------------------------
+
+
+class BucketState(enum.Enum):
+    """Where a bucket is in the current backward pass."""
+
+    FILLING = "filling"
+    """Waiting for some of its gradients."""
+    READY = "ready"
+    """Every gradient copied in; waiting for the buckets before it to be launched (all ranks
+    must launch their all-reduces in the same order)."""
+    LAUNCHED = "launched"
+    """Its asynchronous all-reduce is in flight."""
+
+
+@dataclass
+class Bucket:
+    """A flat gradient buffer for a few parameters, all-reduced as one message."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    """Where each parameter's gradient starts in ``buffer`` (elements)."""
+    buffer: torch.Tensor
+    """1-D, numel = sum of the parameters' numels, the parameters' dtype and device."""
+    state: BucketState = BucketState.FILLING
+    arrived: set[int] = field(default_factory=set)
+    """Positions (in ``params``) whose gradient has been copied into ``buffer``."""
+    work: Any = None
+    """The all-reduce's ``dist.Work`` while LAUNCHED."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def slot(self, position: int) -> torch.Tensor:
+        """The part of ``buffer`` that holds ``params[position]``'s gradient (a view)."""
+        param = self.params[position]
+        start = self.offsets[position]
+        return self.buffer[start:start + param.numel()].view_as(param)
+
+
+def assign_buckets(params: list[tuple[str, nn.Parameter]], bucket_cap_mb: float
+                   ) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split parameters into buckets, as torch DDP does: walk them in *reverse* registration
+    order (backward produces the last layer's gradients first), add each to the open bucket
+    of its dtype and device, and close that bucket once it holds ``bucket_cap_mb`` MiB or
+    more. A parameter larger than the cap gets a bucket of its own; a tiny cap gives one
+    parameter per bucket. (torch also makes its first bucket 1 MiB; this does not.)"""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be positive (MiB), got {bucket_cap_mb!r}; "
+                         f"torch's default is {DEFAULT_BUCKET_CAP_MB}.")
+    cap = bucket_cap_mb * _MIB
+    closed: list[list[tuple[str, nn.Parameter]]] = []
+    open_: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    for name, param in reversed(params):
+        key = (param.dtype, param.device)
+        bucket = open_.setdefault(key, [])
+        bucket.append((name, param))
+        if sum(p.numel() * p.element_size() for _, p in bucket) >= cap:
+            closed.append(open_.pop(key))
+    closed.extend(b for b in open_.values() if b)
+    return closed
+
+
+@dataclass
+class StepTimeline:
+    """Timestamps (``time.perf_counter()`` seconds) of one backward pass under :class:`DDP`."""
+
+    grad_ready: dict[str, float] = field(default_factory=dict)
+    """Parameter name -> when its gradient was accumulated (its hook ran)."""
+    launched: dict[int, float] = field(default_factory=dict)
+    """Bucket index -> when its all-reduce was started."""
+    done: dict[int, float] = field(default_factory=dict)
+    """Bucket index -> when its all-reduce completed (recorded by the work's future)."""
+    finished: float | None = None
+    """When ``finish_gradient_synchronization()`` returned."""
+
+
+def params_in_graph(outputs: Any) -> set[int]:
+    """``id()`` of every leaf tensor (parameter) the autograd graph of ``outputs`` reaches.
+
+    torch DDP with ``find_unused_parameters=True`` walks this graph after each forward: a
+    parameter it does not reach will get no gradient in the coming backward pass."""
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen: set[Any] = set()
+    found: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+class DDP(_SyncMixin, nn.Module):
+    """Bucketed data parallelism with communication overlapping backward.
+
+    At construction: rank 0's parameters and buffers are broadcast, the trainable parameters
+    are split into buckets (:func:`assign_buckets`), and each parameter gets a
+    ``register_post_accumulate_grad_hook``. The hook receives the *parameter* (its ``.grad``
+    is complete, tied uses included) and copies the gradient into its bucket; when a bucket
+    is full, it is divided by N and its ``all_reduce`` is launched with ``async_op=True``, in
+    bucket order. :meth:`finish_gradient_synchronization` waits for every bucket and copies
+    the averages back into ``p.grad``.
+
+    Memory: one extra copy of the trainable gradients (the buckets). torch's
+    ``gradient_as_bucket_view=True`` avoids it by making ``p.grad`` a view of the bucket.
+
+    Args:
+        module: the model, identical on every rank after the broadcast.
+        bucket_cap_mb: bucket size in MiB.
+        find_unused_parameters: allow parameters that get no gradient in a backward pass.
+            After each forward the autograd graph is walked (:func:`params_in_graph`); the
+            slots of parameters it does not reach are zeroed and count as ready at once, so
+            every rank still launches every bucket, in the same order. Synchronising then
+            all-reduces one "used" flag per parameter: a parameter no rank used keeps
+            ``grad = None``, as in one process. Without it, an unused parameter's bucket is
+            never full and synchronising raises, naming it.
+        broadcast_buffers: re-broadcast rank 0's buffers before every forward, as torch
+            does (running statistics stay equal on every rank).
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.world_size = dist.get_world_size(process_group)
+        self.timeline = StepTimeline()
+        broadcast_state(module, process_group)
+        self.buckets: list[Bucket] = []
+        #: parameter id -> (its bucket, its position there, its index in the flat order)
+        self._where: dict[int, tuple[Bucket, int, int]] = {}
+        self._params: list[nn.Parameter] = []
+        for index, members in enumerate(assign_buckets(trainable_parameters(module),
+                                                       bucket_cap_mb)):
+            offsets, total = [], 0
+            for _, p in members:
+                offsets.append(total)
+                total += p.numel()
+            first = members[0][1]
+            bucket = Bucket(index, [n for n, _ in members], [p for _, p in members], offsets,
+                            torch.zeros(total, dtype=first.dtype, device=first.device))
+            self.buckets.append(bucket)
+            for position, (_, p) in enumerate(members):
+                self._where[id(p)] = (bucket, position, len(self._params))
+                self._params.append(p)
+        self._next_launch = 0
+        self._locally_used: list[bool] = [False] * len(self._params)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in self._params]
+
+    def _root(self) -> int:
+        return dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(b.arrived for b in self.buckets):
+            raise RuntimeError(
+                "DDP: the previous backward pass was not synchronised. Call "
+                "model.finish_gradient_synchronization() after loss.backward() and before "
+                "optimizer.step() (or run that backward inside model.no_sync()).")
+        if self.broadcast_buffers and self.world_size > 1:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    dist.broadcast(buffer, src=self._root(), group=self.process_group)
+        output = self.module(*args, **kwargs)
+        if (self.find_unused_parameters and self.require_backward_grad_sync
+                and torch.is_grad_enabled()):
+            self._mark_unused(params_in_graph(output))
+        return output
+
+    def _mark_unused(self, reached: set[int]) -> None:
+        """Zero the slots of parameters the graph does not reach and count them as ready."""
+        self._locally_used = [id(p) in reached for p in self._params]
+        for param, used in zip(self._params, self._locally_used, strict=True):
+            if not used:
+                bucket, position, _ = self._where[id(param)]
+                bucket.slot(position).zero_()
+                self._arrive(bucket, position)
+
+    # -- during backward --
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: runs once per parameter per backward pass."""
+        if not self.require_backward_grad_sync:
+            return
+        bucket, position, _ = self._where[id(param)]
+        self.timeline.grad_ready[bucket.names[position]] = time.perf_counter()
+        if position in bucket.arrived:
+            raise RuntimeError(
+                f"DDP: {bucket.names[position]}'s gradient arrived twice before "
+                "finish_gradient_synchronization(): put no_sync() around the first backward "
+                "pass, or synchronise between the two.")
+        assert param.grad is not None
+        bucket.slot(position).copy_(param.grad)
+        self._arrive(bucket, position)
+
+    def _arrive(self, bucket: Bucket, position: int) -> None:
+        bucket.arrived.add(position)
+        if len(bucket.arrived) == len(bucket.params):
+            bucket.state = BucketState.READY
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch READY buckets in index order: collectives must match across ranks, and a
+        bucket that fills early on one rank may fill late on another."""
+        while (self._next_launch < len(self.buckets)
+               and self.buckets[self._next_launch].state is BucketState.READY):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.buffer /= self.world_size  # the sum over ranks of g / N is the mean
+        self.timeline.launched[bucket.index] = time.perf_counter()
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        bucket.state = BucketState.LAUNCHED
+        done = self.timeline.done
+        bucket.work.get_future().then(
+            lambda _fut, i=bucket.index: done.__setitem__(i, time.perf_counter()))
+
+    # -- after backward --
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce and write the averages into ``p.grad``."""
+        if not self.require_backward_grad_sync:
+            return
+        missing = [b.names[i] for b in self.buckets for i in range(len(b.params))
+                   if i not in b.arrived]
+        if missing:
+            hint = ("their slots were not marked ready after forward (was the loss computed "
+                    "from this forward's output?)" if self.find_unused_parameters else
+                    "use every parameter in forward, freeze the unused ones "
+                    "(requires_grad=False), or pass find_unused_parameters=True")
+            raise RuntimeError(
+                f"DDP: parameter(s) {missing} got no gradient in this backward pass, so their "
+                "buckets were never full and never all-reduced; the other ranks may be "
+                f"waiting for them. To fix it: {hint}.")
+        used = self._globally_used() if self.find_unused_parameters else None
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for position, param in enumerate(bucket.params):
+                if param.grad is not None and (used is None or self._locally_used[
+                        self._where[id(param)][2]]):
+                    param.grad.copy_(bucket.slot(position))
+                elif used is not None and used[self._where[id(param)][2]]:
+                    param.grad = bucket.slot(position).clone()  # only a peer used it
+            bucket.arrived.clear()
+            bucket.state, bucket.work = BucketState.FILLING, None
+        self._next_launch = 0
+        self.timeline.finished = time.perf_counter()
+
+    def _globally_used(self) -> list[bool]:
+        """One extra small all-reduce, after every bucket's: which parameters got a gradient
+        on at least one rank."""
+        flags = torch.tensor(self._locally_used, dtype=torch.int32,
+                             device=self.buckets[0].buffer.device)
+        dist.all_reduce(flags, group=self.process_group)
+        return [bool(f) for f in flags.tolist()]
+
+    def new_timeline(self) -> StepTimeline:
+        """Start recording a fresh timeline (returned; also kept as ``self.timeline``)."""
+        self.timeline = StepTimeline()
+        return self.timeline

@@ -1,0 +1,279 @@
+"""NaiveDDP and DDP on real ranks: parity with one process on the full batch, buckets, hooks,
+no_sync, unused parameters, and the errors that say what to do.
+
+The oracle is a single-process model trained on the whole batch with the same seed: after
+every step, every rank's parameters must equal it (``torch.testing.assert_close``). Each rank
+starts from a *different* initialisation, so the broadcast at construction is tested too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labs import RankError, launch
+from labs.ddp import DDP, NaiveDDP, assign_buckets, params_in_graph, trainable_parameters
+
+VOCAB, DIM, BATCH = 11, 6, 8
+
+
+class TiedNet(nn.Module):
+    """Embedding tied to the output layer, a frozen layer, and a buffer used in forward."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter, two uses
+        self.register_buffer("scale", torch.full((DIM,), 1.0 + seed))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * self.scale
+        return self.head(self.frozen(torch.tanh(self.hidden(x))))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(123)
+    ids = torch.randint(0, VOCAB, (BATCH, 5), generator=generator)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.05),
+}
+STEPS = 3
+
+
+def reference_run(optimizer: str) -> list[dict[str, torch.Tensor]]:
+    """One process, the whole batch: the parameters after each step."""
+    model = TiedNet(seed=0)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    x, y = batch()
+    states = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+#: (wrapper, keyword arguments): tiny buckets (one parameter each), a middle size, one bucket.
+WRAPPERS = [
+    ("naive", {}),
+    ("ddp", {"bucket_cap_mb": 1e-9}),
+    ("ddp", {"bucket_cap_mb": 42 * 4 / 2**20}),  # hidden (42 elements), then embed
+    ("ddp", {"bucket_cap_mb": 25.0}),
+]
+
+
+def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    x, y = batch()
+    per = BATCH // world_size
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    out = {}
+    for optimizer in OPTIMIZERS:
+        for wrapper, kwargs in WRAPPERS:
+            net = TiedNet(seed=rank)  # different on every rank until the broadcast
+            model = NaiveDDP(net) if wrapper == "naive" else DDP(net, **kwargs)
+            opt = OPTIMIZERS[optimizer](model.parameters())
+            states = []
+            for _ in range(STEPS):
+                opt.zero_grad()
+                loss_of(model, x, y).backward()
+                model.finish_gradient_synchronization()
+                opt.step()
+                states.append({k: v.clone() for k, v in model.module.state_dict().items()})
+            key = f"{optimizer}-{wrapper}-{kwargs.get('bucket_cap_mb', '')}"
+            if wrapper == "ddp":
+                key += f"-{len(model.buckets)}buckets"
+            out[key] = states
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_rank_matches_one_process_on_the_full_batch(world_size):
+    results = launch(parity_worker, world_size, echo=False)
+    references = {name: reference_run(name) for name in OPTIMIZERS}
+    keys = list(results[0])
+    # tiny cap: one bucket per trainable parameter (embed/head tied, frozen excluded: 3);
+    # one big bucket otherwise
+    assert any(k.endswith("-3buckets") for k in keys) and any(k.endswith("-1buckets")
+                                                               for k in keys)
+    assert any(k.endswith("-2buckets") for k in keys), keys
+    for rank, per_rank in enumerate(results):
+        for key, states in per_rank.items():
+            expected = references[key.split("-")[0]]
+            for step, (got, want) in enumerate(zip(states, expected, strict=True)):
+                for name in want:
+                    torch.testing.assert_close(
+                        got[name], want[name],
+                        msg=lambda m, k=key, s=step, n=name, r=rank: f"{k} rank {r} step {s} "
+                        f"{n}: {m}")
+
+
+def test_buckets_follow_reverse_registration_order_and_the_cap():
+    model = TiedNet(seed=0)
+    params = trainable_parameters(model)
+    assert [n for n, _ in params] == ["embed.weight", "hidden.weight", "hidden.bias"]
+    tiny = assign_buckets(params, 1e-9)
+    assert [[n for n, _ in b] for b in tiny] == [["hidden.bias"], ["hidden.weight"],
+                                                 ["embed.weight"]]
+    # 42 (hidden.w+b) elements fill a 42-element cap; embed (66) goes alone
+    cap = 42 * 4 / 2**20
+    assert [[n for n, _ in b] for b in assign_buckets(params, cap)] == [
+        ["hidden.bias", "hidden.weight"], ["embed.weight"]]
+    assert len(assign_buckets(params, 25.0)) == 1
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        assign_buckets(params, 0)
+
+
+def test_params_in_graph_finds_what_forward_used():
+    model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+    out = model["a"](torch.ones(1, 2))
+    reached = params_in_graph({"out": [out]})
+    assert reached == {id(model["a"].weight), id(model["a"].bias)}
+
+
+# --- overlap, call counts and no_sync ----------------------------------------------------------
+
+
+def overlap_worker(rank: int, world_size: int) -> dict[str, object]:
+    """Counts the all-reduce calls of one DDP step and when they were made."""
+    calls: list[tuple[int, bool, bool]] = []
+    real = dist.all_reduce
+    in_backward = [False]
+
+    def counting(tensor, *args, **kwargs):
+        calls.append((tensor.numel(), bool(kwargs.get("async_op")), in_backward[0]))
+        return real(tensor, *args, **kwargs)
+
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    model = DDP(net, bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)  # one layer per bucket
+    dist.all_reduce = counting
+    try:
+        x = torch.randn(4, 32)
+        in_backward[0] = True
+        model(x).sum().backward()
+        in_backward[0] = False
+        model.finish_gradient_synchronization()
+        timeline = model.timeline
+        first_step = list(calls)
+        calls.clear()
+        for _ in range(3):  # accumulation: no communication
+            with model.no_sync():
+                model(x).sum().backward()
+                model.finish_gradient_synchronization()
+        in_no_sync = list(calls)
+        model(x).sum().backward()
+        model.finish_gradient_synchronization()
+        after = list(calls)
+    finally:
+        dist.all_reduce = real
+    return {"first": first_step, "no_sync": in_no_sync, "after": after,
+            "launched": dict(timeline.launched), "done": dict(timeline.done),
+            "ready": dict(timeline.grad_ready), "finished": timeline.finished,
+            "grad": net[0].weight.grad.clone()}
+
+
+def test_buckets_are_launched_async_during_backward_and_no_sync_sends_nothing():
+    results = launch(overlap_worker, 2, echo=False)
+    for r in results:
+        assert r["first"] == [(1056, True, True)] * 4  # 4 buckets, launched inside backward
+        assert r["no_sync"] == []
+        assert len(r["after"]) == 4
+        # bucket 0 (the last layer) was launched before the first layer's gradient was ready
+        assert r["launched"][0] < r["ready"]["0.weight"]
+        assert sorted(r["done"]) == [0, 1, 2, 3]
+        assert all(r["launched"][i] <= r["done"][i] <= r["finished"] for i in range(4))
+    # the accumulated gradient (4 backward passes) is the same on both ranks
+    torch.testing.assert_close(results[0]["grad"], results[1]["grad"])
+
+
+# --- unused parameters -------------------------------------------------------------------------
+
+
+class Branchy(nn.Module):
+    """Rank-dependent control flow: ``skip`` is not used when ``use_skip`` is False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = nn.Linear(4, 4)
+        self.skip = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_skip: bool) -> torch.Tensor:
+        y = self.main(x)
+        return y + self.skip(x) if use_skip else y
+
+
+def unused_worker(rank: int, world_size: int, find_unused: bool) -> dict[str, object]:
+    model = DDP(Branchy(), bucket_cap_mb=1e-9, find_unused_parameters=find_unused)
+    x = torch.ones(2, 4) * (rank + 1)
+    model(x, use_skip=(rank == 0)).sum().backward()
+    model.finish_gradient_synchronization()
+    return {n: None if p.grad is None else p.grad.clone()
+            for n, p in model.module.named_parameters()}
+
+
+def test_find_unused_parameters_syncs_what_any_rank_used_and_leaves_the_rest_none():
+    results = launch(unused_worker, 2, args=(True,), echo=False)
+    for grads in results:
+        assert grads["never.weight"] is None and grads["never.bias"] is None
+        # skip was used by rank 0 only: its gradient is rank 0's over 2 on both ranks
+        torch.testing.assert_close(grads["skip.bias"], torch.full((4,), 2 / 2))
+        torch.testing.assert_close(grads["main.bias"], torch.full((4,), (2 + 2) / 2))
+
+
+def test_an_unused_parameter_without_find_unused_is_an_error_naming_it():
+    with pytest.raises(RankError, match=r"never\.(weight|bias).*find_unused_parameters=True"):
+        launch(unused_worker, 2, args=(False,), echo=False, timeout=30)
+
+
+def forgot_to_finish(rank: int, world_size: int) -> None:
+    model = DDP(nn.Linear(2, 2))
+    model(torch.ones(1, 2)).sum().backward()
+    model(torch.ones(1, 2))
+
+
+def naive_unused(rank: int, world_size: int) -> None:
+    model = NaiveDDP(Branchy())
+    model(torch.ones(1, 4), use_skip=False).sum().backward()
+    model.finish_gradient_synchronization()
+
+
+@pytest.mark.parametrize("worker, message", [
+    (forgot_to_finish, r"finish_gradient_synchronization\(\) after loss.backward\(\)"),
+    (naive_unused, r"NaiveDDP: parameter\(s\) \['skip.weight'"),
+])
+def test_misuse_is_an_error_that_says_what_to_do(worker, message):
+    with pytest.raises(RankError, match=message):
+        launch(worker, 2, echo=False, timeout=30)
+
+
+def buffers_worker(rank: int, world_size: int, broadcast: bool) -> torch.Tensor:
+    torch.manual_seed(rank)
+    net = nn.BatchNorm1d(3)
+    model = DDP(net, broadcast_buffers=broadcast)
+    model(torch.randn(4, 3) + 10 * rank)  # each rank's running mean moves differently ...
+    model(torch.ones(4, 3))  # ... and with broadcast_buffers, rank 0's wins before this one
+    return net.running_mean.clone()
+
+
+def test_buffers_are_broadcast_before_each_forward():
+    same = launch(buffers_worker, 2, args=(True,), echo=False)
+    torch.testing.assert_close(same[0], same[1])
+    apart = launch(buffers_worker, 2, args=(False,), echo=False)
+    assert not torch.allclose(apart[0], apart[1])
