@@ -5,6 +5,7 @@
         [--sizes 1K 64K 1M 16M] [--world-sizes 2 4] [--backends gloo nccl] [--iters 5]
         [--warmup 1] [--dtype float32] [--segment-bytes 1M] [--window 4]
         [--out _build/bench/collectives.csv] [--plot PATH.png]
+    python -m labs.bench ddp [--world-size 2] [--bucket-cap-mb 25] [--launches 3] (see --help)
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a
 fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from labs.bench_ddp import add_ddp_parser, ddp_main
 from labs.collectives import (
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_WINDOW,
@@ -1114,9 +1116,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     lat.add_argument("--methods", nargs="+", default=[m.value for m in StartMethod],
                      choices=[m.value for m in StartMethod])
     _add_collectives_parser(sub)
+    add_ddp_parser(sub)
     opts = parser.parse_args(argv)
     if opts.bench == "launch":
         print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
+    elif opts.bench == "ddp":
+        ddp_main(opts, sub.choices["ddp"])
     else:
         _collectives_main(opts, sub.choices["collectives"])
 

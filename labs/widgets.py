@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -11,9 +12,17 @@ from IPython.display import display
 
 from labs.bench import SweepSettings, format_size, run_sweep, sweep_tables
 from labs.collectives import Algorithm, Collective
+from labs.ddp_experiments import (
+    StepSettings,
+    cap_text,
+    default_cases,
+    measure_step_times,
+    measure_timelines,
+)
 from labs.launch import launch
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
+from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
 
 
 def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
@@ -141,3 +150,51 @@ def collective_panel(
     display(w.VBox([w.HBox([size, message, button]),
                     w.HBox([w.Label("algorithms:"), *boxes.values()]), out]))
     show_collective_run(default)
+
+
+# --- chapter 5: data parallelism -------------------------------------------------------------
+
+#: Bucket caps the DDP panel offers (MiB): 16 KiB to 25 MiB, torch's default.
+DDP_PANEL_CAPS: tuple[float, ...] = (1 / 64, 1 / 16, 1 / 4, 1.0, 4.0, 25.0)
+
+
+def show_ddp_run(world_size: int, settings: StepSettings) -> None:
+    """Time NaiveDDP, labs' DDP and torch DDP on real ranks at ``settings`` (the step-time
+    table and bars), then draw one measured backward pass of NaiveDDP and DDP (a Gantt
+    chart)."""
+    start = time.perf_counter()
+    rows = measure_step_times(world_size, settings, default_cases(settings.bucket_cap_mb))
+    timelines = measure_timelines(world_size, settings)
+    print(f"world size {world_size}, {settings.parameters:,} parameters, bucket cap "
+          f"{cap_text(settings.bucket_cap_mb)}, {settings.accumulation} micro-batch(es) per "
+          f"optimizer step (no_sync() around all but the last): "
+          f"{time.perf_counter() - start:.1f} s on real ranks")
+    print(step_time_table(rows))
+    for fig in (plot_step_times(rows, title="Milliseconds per optimizer step"),
+                plot_timeline({impl: t[0] for impl, t in timelines.items()},
+                              title="One backward pass, rank 0")):
+        display(fig)
+        plt.close(fig)
+
+
+def ddp_panel(world_size: int = 2, bucket_cap_mb: float = 0.25, accumulation: int = 1,
+              settings: StepSettings | None = None) -> None:
+    """World size, bucket cap and micro-batches per optimizer step, and a run button
+    (:func:`show_ddp_run`). The default run is shown at once, as ordinary output."""
+    base = settings or StepSettings()
+    size = w.IntSlider(value=world_size, min=1, max=4, description="world size")
+    cap = w.Dropdown(options=[(cap_text(c), c) for c in sorted({*DDP_PANEL_CAPS,
+                                                                 bucket_cap_mb})],
+                     value=bucket_cap_mb, description="bucket cap",
+                     layout=w.Layout(width="200px"))
+    micro = w.IntSlider(value=accumulation, min=1, max=8, description="micro-batches")
+    out = w.Output()
+
+    def run() -> None:
+        show_ddp_run(size.value, dataclasses.replace(base, bucket_cap_mb=cap.value,
+                                                     accumulation=micro.value))
+
+    button = _run_button(out, run)
+    display(w.VBox([w.HBox([size, cap, micro]), button, out]))
+    show_ddp_run(world_size, dataclasses.replace(base, bucket_cap_mb=bucket_cap_mb,
+                                                 accumulation=accumulation))

@@ -1,0 +1,524 @@
+"""Chapter 5's measurements on real ranks: step times, bucket sizes, the backward timeline,
+gradient accumulation with and without ``no_sync()``, and the DistributedSampler.
+
+Every function named ``*_worker`` runs inside a rank (``launch(worker, N, args=(...))``); the
+others run in the notebook and launch them. Ranks import this module to find the workers, so
+it imports nothing heavy (plots live in :mod:`labs.viz_ddp`).
+
+The step-time experiments time the same model and batch under four implementations, in one
+launch, alternating their order every iteration so that a slow moment of the machine does not
+land on one of them only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP, assign_buckets, trainable_parameters
+from labs.launch import launch, rank_device
+
+
+class Implementation(enum.Enum):
+    """What synchronises the gradients in a step-time experiment."""
+
+    LOCAL = "no sync"
+    """No communication at all: the compute-only floor (the ranks drift apart)."""
+    NAIVE = "NaiveDDP"
+    """:class:`labs.ddp.NaiveDDP`: one blocking all-reduce per parameter after backward."""
+    OURS = "DDP"
+    """:class:`labs.ddp.DDP`: flat buckets, async all-reduces during backward."""
+    TORCH = "torch DDP"
+    """``torch.nn.parallel.DistributedDataParallel`` (C++ reducer, same bucket cap)."""
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """One experiment's model and loop: an MLP of ``layers`` square Linear layers (ReLU
+    between), a random batch, ``steps`` timed SGD steps after ``warmup`` untimed ones.
+    The widget panel and ``python -m labs.bench ddp`` build one of these."""
+
+    width: int = 256
+    layers: int = 6
+    batch: int = 32
+    steps: int = 8
+    warmup: int = 2
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    accumulation: int = 1
+    """Micro-batches per optimizer step (the accumulation experiment)."""
+
+    def __post_init__(self) -> None:
+        for name in ("width", "layers", "batch", "steps", "accumulation"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}.")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive (MiB), got {self.bucket_cap_mb!r}.")
+
+    @property
+    def parameters(self) -> int:
+        """Trainable parameters of the model: layers * (width^2 + width)."""
+        return self.layers * (self.width * self.width + self.width)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """S, the bytes of all gradients (float32): what one all-reduce of them moves."""
+        return 4 * self.parameters
+
+
+def mlp(settings: StepSettings, seed: int = 0) -> nn.Sequential:
+    """The experiment's model, the same on every rank for the same seed."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(settings.layers):
+        layers += [nn.Linear(settings.width, settings.width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def wrap(implementation: Implementation, model: nn.Module, bucket_cap_mb: float) -> nn.Module:
+    """The model wrapped by ``implementation`` (on this rank's device)."""
+    device = rank_device()
+    model = model.to(device)
+    if implementation is Implementation.NAIVE:
+        return NaiveDDP(model)
+    if implementation is Implementation.OURS:
+        return DDP(model, bucket_cap_mb=bucket_cap_mb)
+    if implementation is Implementation.TORCH:
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+    return model
+
+
+def synchronise(model: nn.Module) -> None:
+    """After backward: labs' wrappers average here; torch DDP already did during backward."""
+    finish = getattr(model, "finish_gradient_synchronization", None)
+    if finish is not None:
+        finish()
+
+
+def _sync_device() -> None:
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed configuration: an implementation at a bucket cap."""
+
+    implementation: Implementation
+    bucket_cap_mb: float
+
+    @property
+    def label(self) -> str:
+        if self.implementation in (Implementation.OURS, Implementation.TORCH):
+            return f"{self.implementation.value} ({cap_text(self.bucket_cap_mb)})"
+        return self.implementation.value
+
+
+def cap_text(cap_mb: float) -> str:
+    """A bucket cap for people: ``256 KiB``, ``25 MiB``."""
+    return f"{cap_mb:g} MiB" if cap_mb >= 1 else f"{cap_mb * 1024:g} KiB"
+
+
+@dataclass(frozen=True)
+class CaseTiming:
+    """Seconds per optimizer step of one case on one rank, and its bucket count."""
+
+    case: Case
+    seconds: tuple[float, ...]
+    buckets: int
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def step_times_worker(rank: int, world_size: int, settings: StepSettings,
+                      cases: Sequence[Case]) -> list[CaseTiming]:
+    """Time ``settings.steps`` SGD steps of every case, alternating the case order each
+    iteration; a barrier before each step so every rank starts it together."""
+    device = rank_device()
+    models = [wrap(c.implementation, mlp(settings), c.bucket_cap_mb) for c in cases]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in models]
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
+    seconds: list[list[float]] = [[] for _ in cases]
+    order = list(range(len(cases)))
+    for iteration in range(settings.warmup + settings.steps):
+        for i in order if iteration % 2 == 0 else reversed(order):
+            dist.barrier()
+            _sync_device()
+            start = time.perf_counter()
+            optimizers[i].zero_grad()
+            _accumulate(models[i], x, settings.accumulation, use_no_sync=True)
+            optimizers[i].step()
+            _sync_device()
+            if iteration >= settings.warmup:
+                seconds[i].append(time.perf_counter() - start)
+    return [CaseTiming(c, tuple(s), _bucket_count(c, settings))
+            for c, s in zip(cases, seconds, strict=True)]
+
+
+def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sync: bool
+                ) -> None:
+    """Forward and backward ``micro_batches`` times, each loss divided by their number, then
+    synchronise. With ``use_no_sync`` every micro-batch but the last runs inside
+    ``model.no_sync()`` (forward and backward), so only the last one communicates."""
+    for micro in range(micro_batches):
+        last = micro == micro_batches - 1
+        quiet = use_no_sync and not last and hasattr(model, "no_sync")
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            (model(x).square().mean() / micro_batches).backward()
+            synchronise(model)
+
+
+def _bucket_count(case: Case, settings: StepSettings) -> int:
+    if case.implementation is Implementation.NAIVE:
+        return 2 * settings.layers  # one all-reduce per parameter
+    if case.implementation is Implementation.LOCAL:
+        return 0
+    return len(assign_buckets(trainable_parameters(mlp(settings)), case.bucket_cap_mb))
+
+
+@dataclass(frozen=True)
+class StepTimeRow:
+    """A case's step time: the median over steps of the slowest rank."""
+
+    case: Case
+    seconds: float
+    buckets: int
+
+
+def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[Case],
+                       launches: int = 1, timeout: float = 300.0) -> list[StepTimeRow]:
+    """Launch :func:`step_times_worker` ``launches`` times and reduce it to one row per case:
+    per step, the slowest rank's time (a step ends when the last rank ends it), then the
+    median over every step of every launch."""
+    slowest: list[list[float]] = [[] for _ in cases]
+    buckets = [0] * len(cases)
+    for _ in range(launches):
+        per_rank = launch(step_times_worker, world_size, args=(settings, list(cases)),
+                          timeout=timeout, echo=False)
+        for i in range(len(cases)):
+            slowest[i] += [max(r[i].seconds[k] for r in per_rank) for k in range(settings.steps)]
+            buckets[i] = per_rank[0][i].buckets
+    return [StepTimeRow(case, statistics.median(s), b)
+            for case, s, b in zip(cases, slowest, buckets, strict=True)]
+
+
+def default_cases(bucket_cap_mb: float) -> list[Case]:
+    """The four implementations, the bucketed two at ``bucket_cap_mb``."""
+    return [Case(i, bucket_cap_mb) for i in Implementation]
+
+
+def bucket_sweep_cases(caps_mb: Sequence[float]) -> list[Case]:
+    """labs' DDP and torch's at every cap, plus NaiveDDP and the no-sync floor once."""
+    cases = [Case(Implementation.LOCAL, DEFAULT_BUCKET_CAP_MB),
+             Case(Implementation.NAIVE, DEFAULT_BUCKET_CAP_MB)]
+    for cap in caps_mb:
+        cases += [Case(Implementation.OURS, cap), Case(Implementation.TORCH, cap)]
+    return cases
+
+
+# --- the timeline of one backward pass --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """Something that happened between two times (seconds since backward started)."""
+
+    label: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class BackwardTimeline:
+    """One rank's backward pass and its gradient synchronisation, measured."""
+
+    implementation: Implementation
+    backward_end: float
+    grad_ready: dict[str, float]
+    """Parameter name -> when its gradient was ready."""
+    allreduces: tuple[Span, ...]
+    """Each all-reduce (a bucket, or one parameter for NaiveDDP): launch to completion."""
+    synchronised: float
+    """When every gradient held its average (finish_gradient_synchronization returned)."""
+
+
+@contextmanager
+def _timed_all_reduces(spans: list[tuple[str, float, float]], names: dict[int, str]
+                       ) -> Iterator[None]:
+    """Record start and end of every blocking ``dist.all_reduce`` inside the block."""
+    real = dist.all_reduce
+
+    def timed(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        work = real(tensor, *args, **kwargs)
+        _sync_device()
+        spans.append((names.get(id(tensor), f"{tensor.numel()} elements"), start,
+                      time.perf_counter()))
+        return work
+
+    dist.all_reduce = timed
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+def timeline_worker(rank: int, world_size: int, settings: StepSettings,
+                    implementation: Implementation) -> BackwardTimeline:
+    """One measured step of NaiveDDP or DDP, after ``max(1, settings.warmup)`` untimed ones
+    (the first step allocates the gradients)."""
+    device = rank_device()
+    model = wrap(implementation, mlp(settings), settings.bucket_cap_mb)
+    net = model.module
+    x = torch.randn(settings.batch, settings.width,
+                    generator=torch.Generator().manual_seed(rank)).to(device)
+    names = {id(p): n for n, p in net.named_parameters()}
+    ready: dict[str, float] = {}
+    if implementation is Implementation.NAIVE:  # DDP records its own; NaiveDDP has no hooks
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda q: ready.__setitem__(names[id(q)], time.perf_counter()))
+    spans: list[tuple[str, float, float]] = []
+    for _ in range(max(1, settings.warmup) + 1):
+        model.zero_grad(set_to_none=False)  # keep the gradient tensors: spans are named by them
+        if isinstance(model, DDP):
+            model.new_timeline()
+        loss = model(x).square().mean()
+        grad_names = {id(p.grad): n for n, p in net.named_parameters() if p.grad is not None}
+        dist.barrier()
+        spans.clear()
+        ready.clear()
+        start = time.perf_counter()
+        with _timed_all_reduces(spans, grad_names):
+            loss.backward()
+            backward_end = time.perf_counter()
+            synchronise(model)
+        synchronised = time.perf_counter()
+    if isinstance(model, DDP):
+        t = model.timeline
+        ready = dict(t.grad_ready)
+        allreduces = [Span(f"bucket {i}", t.launched[i], t.done[i]) for i in sorted(t.launched)]
+    else:
+        allreduces = [Span(label, s, e) for label, s, e in spans]
+    return BackwardTimeline(
+        implementation, backward_end - start,
+        {n: v - start for n, v in ready.items()},
+        tuple(Span(s.label, s.start - start, s.end - start) for s in allreduces),
+        synchronised - start)
+
+
+def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 120.0
+                      ) -> dict[Implementation, list[BackwardTimeline]]:
+    """The timeline of one step under NaiveDDP and under DDP, every rank's."""
+    return {impl: list(launch(timeline_worker, world_size, args=(settings, impl),
+                              timeout=timeout, echo=False))
+            for impl in (Implementation.NAIVE, Implementation.OURS)}
+
+
+# --- gradient accumulation ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccumulationRow:
+    """All-reduce calls and seconds per optimizer step with ``accumulation`` micro-batches."""
+
+    implementation: Implementation
+    no_sync: bool
+    accumulation: int
+    allreduces: float
+    """All-reduce calls per optimizer step (rank 0)."""
+    seconds: float
+    """Median seconds per optimizer step (slowest rank)."""
+
+
+@dataclass
+class _HookCalls:
+    calls: int = 0
+
+
+# No annotations: torch checks the hook's annotations against dist.GradBucket, and this
+# module's postponed (string) annotations would fail that check.
+def _counting_hook(state, bucket):  # noqa: ANN001, ANN201
+    """A torch DDP communication hook that counts its calls, then does what the default
+    hook does: divide the bucket by N and all-reduce it asynchronously."""
+    state.calls += 1
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def accumulation_worker(rank: int, world_size: int, settings: StepSettings,
+                        implementation: Implementation, use_no_sync: bool
+                        ) -> tuple[float, list[float]]:
+    """Time ``settings.steps`` optimizer steps of ``settings.accumulation`` micro-batches
+    each; count the all-reduces. Returns (all-reduces per step, seconds per step)."""
+    device = rank_device()
+    model = wrap(implementation, mlp(settings), settings.bucket_cap_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    calls = [0]
+    hook = None
+    if implementation is Implementation.TORCH:  # its all-reduces are made in C++: count here
+        hook = _HookCalls()
+        model.register_comm_hook(hook, _counting_hook)
+    x = torch.randn(settings.batch, settings.width,
+                    generator=torch.Generator().manual_seed(rank)).to(device)
+    real = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    seconds = []
+    dist.all_reduce = counting
+    try:
+        for step in range(settings.warmup + settings.steps):
+            if step == settings.warmup:
+                calls[0] = 0
+                if hook:
+                    hook.calls = 0
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            _accumulate(model, x, settings.accumulation, use_no_sync)
+            optimizer.step()
+            _sync_device()
+            if step >= settings.warmup:
+                seconds.append(time.perf_counter() - start)
+    finally:
+        dist.all_reduce = real
+    counted = hook.calls if hook else calls[0]
+    return counted / settings.steps, seconds
+
+
+def measure_accumulation(world_size: int, settings: StepSettings,
+                         implementations: Sequence[Implementation] = (Implementation.OURS,
+                                                                      Implementation.TORCH),
+                         timeout: float = 300.0) -> list[AccumulationRow]:
+    """Per implementation: with and without ``no_sync()`` around all but the last
+    micro-batch, all-reduces and seconds per optimizer step."""
+    rows = []
+    for implementation in implementations:
+        for use_no_sync in (False, True):
+            per_rank = launch(accumulation_worker, world_size,
+                              args=(settings, implementation, use_no_sync), timeout=timeout,
+                              echo=False)
+            slowest = [max(r[1][k] for r in per_rank) for k in range(settings.steps)]
+            rows.append(AccumulationRow(implementation, use_no_sync, settings.accumulation,
+                                        per_rank[0][0], statistics.median(slowest)))
+    return rows
+
+
+# --- DistributedSampler -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """A dataset of ``size`` samples (sample i is the number i) read by N ranks."""
+
+    size: int = 10
+    shuffle: bool = True
+    drop_last: bool = False
+    seed: int = 0
+    epochs: int = 2
+    set_epoch: bool = True
+    per_rank_seed: bool = False
+    """The mistake: each rank gives the sampler its own seed (so each shuffles differently)."""
+
+
+@dataclass(frozen=True)
+class SamplerView:
+    """What one rank read: its indices in every epoch."""
+
+    rank: int
+    epochs: tuple[tuple[int, ...], ...]
+
+
+def sampler_worker(rank: int, world_size: int, settings: SamplerSettings) -> SamplerView:
+    """Each rank builds its own DistributedSampler, as a training script does."""
+    from torch.utils.data import DistributedSampler
+
+    dataset = list(range(settings.size))
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=dist.get_rank(), shuffle=settings.shuffle,
+        seed=settings.seed + (rank if settings.per_rank_seed else 0),
+        drop_last=settings.drop_last)
+    epochs = []
+    for epoch in range(settings.epochs):
+        if settings.set_epoch:
+            sampler.set_epoch(epoch)
+        epochs.append(tuple(int(i) for i in sampler))
+    return SamplerView(rank, tuple(epochs))
+
+
+def sampler_views(world_size: int, settings: SamplerSettings) -> list[SamplerView]:
+    return list(launch(sampler_worker, world_size, args=(settings,), echo=False))
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How an epoch's samples were spread over the ranks."""
+
+    read: int
+    """Samples read, all ranks together."""
+    distinct: int
+    duplicated: tuple[int, ...]
+    """Samples read more than once."""
+    missing: tuple[int, ...]
+    """Samples no rank read."""
+
+
+def coverage(views: Sequence[SamplerView], size: int, epoch: int = 0) -> Coverage:
+    counts = [0] * size
+    for view in views:
+        for i in view.epochs[epoch]:
+            counts[i] += 1
+    return Coverage(sum(counts), sum(c > 0 for c in counts),
+                    tuple(i for i, c in enumerate(counts) if c > 1),
+                    tuple(i for i, c in enumerate(counts) if c == 0))
+
+
+def evaluation_worker(rank: int, world_size: int, size: int, drop_last: bool
+                      ) -> tuple[int, int]:
+    """Evaluate a 'model' that is right on even samples only, reading through a
+    DistributedSampler (no shuffle); return (correct, seen) on this rank."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(list(range(size)), num_replicas=world_size,
+                                 rank=dist.get_rank(), shuffle=False, drop_last=drop_last)
+    seen = list(sampler)
+    return sum(i % 2 == 0 for i in seen), len(seen)
+
+
+# --- small helpers for the chapter ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """How :func:`labs.ddp.assign_buckets` splits a model: names and bytes per bucket."""
+
+    cap_mb: float
+    buckets: tuple[tuple[tuple[str, ...], int], ...] = field(default=())
+
+
+def bucket_plan(model: nn.Module, cap_mb: float) -> BucketPlan:
+    buckets = assign_buckets(trainable_parameters(model), cap_mb)
+    return BucketPlan(cap_mb, tuple(
+        (tuple(n for n, _ in b), sum(p.numel() * p.element_size() for _, p in b))
+        for b in buckets))

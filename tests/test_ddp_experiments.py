@@ -1,0 +1,165 @@
+"""Chapter 5's experiments on real ranks: what they count and record (never how fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labs import RankError, launch
+from labs.ddp_experiments import (
+    Case,
+    Implementation,
+    SamplerSettings,
+    StepSettings,
+    bucket_plan,
+    bucket_sweep_cases,
+    coverage,
+    default_cases,
+    evaluation_worker,
+    measure_accumulation,
+    measure_step_times,
+    measure_timelines,
+    mlp,
+    sampler_views,
+)
+from labs.ddp_pitfalls import (
+    ChangeAfterWrapping,
+    Logging,
+    change_after_wrapping_worker,
+    checkpoint_worker,
+    logging_worker,
+    seeding_worker,
+    unused_parameter_worker,
+)
+from labs.viz_ddp import _covered, accumulation_table, sampler_table, step_time_table
+
+SMALL = StepSettings(width=32, layers=3, batch=8, steps=2, warmup=1,
+                     bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)  # one layer per bucket
+
+
+@pytest.mark.parametrize("field, value", [("width", 0), ("steps", -1), ("warmup", -1),
+                                          ("accumulation", 0), ("bucket_cap_mb", 0.0),
+                                          ("layers", 2.5)])
+def test_step_settings_refuse_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        StepSettings(**{field: value})
+
+
+def test_step_times_cover_every_case_and_count_its_all_reduces():
+    cases = default_cases(SMALL.bucket_cap_mb)
+    rows = measure_step_times(2, SMALL, cases, launches=2)
+    assert [r.case for r in rows] == cases
+    buckets = {r.case.implementation: r.buckets for r in rows}
+    assert buckets == {Implementation.LOCAL: 0, Implementation.NAIVE: 6,
+                       Implementation.OURS: 3, Implementation.TORCH: 3}
+    assert all(r.seconds > 0 for r in rows)
+    table = step_time_table(rows)
+    assert "1.00x" in table and "NaiveDDP" in table
+
+
+def test_a_bucket_sweep_has_both_bucketed_implementations_at_every_cap():
+    cases = bucket_sweep_cases([0.01, 1.0])
+    assert Case(Implementation.OURS, 1.0) in cases and Case(Implementation.TORCH, 0.01) in cases
+    assert len(cases) == 6
+
+
+def test_the_timeline_shows_ddp_launching_during_backward_and_naive_after_it():
+    timelines = measure_timelines(2, SMALL)
+    for t in timelines[Implementation.OURS]:
+        assert [s.label for s in t.allreduces] == ["bucket 0", "bucket 1", "bucket 2"]
+        assert t.allreduces[0].start < t.backward_end  # launched while backward ran
+        assert len(t.grad_ready) == 6
+        assert all(s.start <= s.end <= t.synchronised for s in t.allreduces)
+    for t in timelines[Implementation.NAIVE]:
+        assert len(t.allreduces) == 6
+        assert all(s.start >= t.backward_end for s in t.allreduces)  # only after backward
+        assert {s.label for s in t.allreduces} == set(t.grad_ready)
+        assert _covered(t.allreduces, t.backward_end) == 0.0
+
+
+def test_no_sync_makes_k_micro_batches_cost_one_all_reduce_per_bucket():
+    settings = StepSettings(width=32, layers=3, batch=8, steps=2, warmup=1, accumulation=4,
+                            bucket_cap_mb=SMALL.bucket_cap_mb)
+    rows = measure_accumulation(2, settings)
+    calls = {(r.implementation, r.no_sync): r.allreduces for r in rows}
+    for impl in (Implementation.OURS, Implementation.TORCH):
+        assert calls[(impl, False)] == 4 * 3  # every micro-batch all-reduces every bucket
+        assert calls[(impl, True)] == 3
+    assert "all-reduces per step" in accumulation_table(rows)
+
+
+def test_the_sampler_partitions_pads_and_reshuffles_per_epoch():
+    views = sampler_views(4, SamplerSettings(size=10, shuffle=True, epochs=2))
+    padded = coverage(views, 10)
+    assert padded.read == 12 and padded.distinct == 10 and len(padded.duplicated) == 2
+    assert views[0].epochs[0] != views[0].epochs[1]  # set_epoch reshuffles
+    frozen = sampler_views(4, SamplerSettings(size=10, set_epoch=False, epochs=2))
+    assert all(v.epochs[0] == v.epochs[1] for v in frozen)  # without it: the same order
+    ordered = sampler_views(2, SamplerSettings(size=6, shuffle=False, epochs=1))
+    assert [v.epochs[0] for v in ordered] == [(0, 2, 4), (1, 3, 5)]  # interleaved
+    dropped = coverage(sampler_views(4, SamplerSettings(size=10, drop_last=True)), 10)
+    assert dropped.read == 8 and not dropped.duplicated and len(dropped.missing) == 2
+    own_seed = coverage(sampler_views(4, SamplerSettings(size=40, per_rank_seed=True)), 40)
+    assert own_seed.duplicated and own_seed.missing
+    assert "epoch 1" in sampler_table(views)
+
+
+def test_padding_double_counts_in_evaluation():
+    per_rank = launch(evaluation_worker, 4, args=(10, False), echo=False)
+    correct, seen = map(sum, zip(*per_rank, strict=True))
+    assert (correct, seen) == (6, 12)  # samples 0 and 1 are read twice; the true count is 5/10
+
+
+def test_bucket_plan_names_what_each_bucket_holds():
+    plan = bucket_plan(mlp(SMALL), SMALL.bucket_cap_mb)
+    assert plan.buckets[0] == (("4.bias", "4.weight"), (32 * 32 + 32) * 4)
+
+
+# --- pitfalls ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl, message", [
+    (Implementation.TORCH, "Expected to have finished reduction in the prior iteration"),
+    (Implementation.OURS, r"aux_head.*find_unused_parameters=True"),
+])
+def test_an_unused_parameter_is_an_error_without_find_unused_parameters(impl, message):
+    with pytest.raises(RankError, match=message):
+        launch(unused_parameter_worker, 2, args=(impl, False), echo=False, timeout=30)
+    ok = launch(unused_parameter_worker, 2, args=(impl, True), echo=False, timeout=30)
+    assert all("aux_head.weight.grad is None" in r for r in ok)
+
+
+def test_editing_weights_on_one_rank_after_wrapping_makes_ranks_drift():
+    for impl in (Implementation.OURS, Implementation.TORCH):
+        edited = launch(change_after_wrapping_worker, 2,
+                        args=(ChangeAfterWrapping.RANK0_EDITS_WEIGHTS, impl), echo=False)
+        assert edited[1].max_difference > 0.1
+        kept = launch(change_after_wrapping_worker, 2, args=(ChangeAfterWrapping.NOTHING, impl),
+                      echo=False)
+        assert kept[1].max_difference == 0.0
+    with pytest.raises(RankError, match=r"head\.(weight|bias)"):
+        launch(change_after_wrapping_worker, 2,
+               args=(ChangeAfterWrapping.NEW_LAYER, Implementation.OURS), echo=False, timeout=30)
+
+
+def test_logging_from_rank_zero_prints_once_and_the_average_needs_every_rank(capsys):
+    every = launch(logging_worker, 4, args=(Logging.EVERY_RANK,), echo=False)
+    assert sum(bool(s) for s in every.stdout) == 4
+    averaged = launch(logging_worker, 4, args=(Logging.RANK_ZERO_AVERAGED,), echo=False)
+    assert averaged.stdout[0] == "step 10: loss 0.625\n" and not any(averaged.stdout[1:])
+
+
+def test_checkpoint_from_rank_zero_loads_on_every_rank(tmp_path):
+    reports = launch(checkpoint_worker, 2, args=(str(tmp_path / "ckpt.pt"),), echo=False)
+    for r in reports:
+        assert r.loaded_equal and r.storage_device == "cpu"
+        assert r.wrapper_keys[0] == "module.trunk.weight" and r.module_keys[0] == "trunk.weight"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temp file left
+    state = torch.load(tmp_path / "ckpt.pt")
+    assert list(state) == list(reports[0].module_keys)
+
+
+def test_wrapping_broadcasts_rank_zeros_weights_whatever_the_seed():
+    assert launch(seeding_worker, 2, args=(Implementation.LOCAL,), echo=False)[1] > 0
+    for impl in (Implementation.OURS, Implementation.TORCH):
+        assert launch(seeding_worker, 2, args=(impl,), echo=False) == [0.0, 0.0]
