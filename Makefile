@@ -43,11 +43,12 @@ notebooks: $(STAMP)
 	$(BIN)/jupyter execute --inplace --timeout=600 --NotebookClient.record_timing=False notebooks/*.ipynb
 
 lint: $(STAMP)
-	$(BIN)/ruff check labs tests
+	$(BIN)/ruff check labs tests tools
 
 bench: $(STAMP)
 	$(BIN)/python -m labs.bench launch
 	$(BIN)/python -m labs.bench collectives
+	$(BIN)/python -m labs.bench ddp --launches 3
 
 clean:
 	rm -rf _build

@@ -9,10 +9,14 @@ The library the book's notebooks import. Modules follow the chapters:
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model fitted on this machine.
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
 * :mod:`labs.experiments` - chapters 2-4: ring traces, traffic counts, agreement across ranks.
+* :mod:`labs.ddp` - chapter 5: ``NaiveDDP`` and bucketed, overlapped ``DDP``;
+  :mod:`labs.ddp_experiments` and :mod:`labs.ddp_pitfalls` measure them on real ranks;
+  :mod:`labs.train` is the transformer training lab (``python -m labs ddp``).
 * :mod:`labs.checks` - the exercise checks, run on real ranks (chapters 2-4 in
-  :mod:`labs.checks_collectives`).
-* :mod:`labs.viz`, :mod:`labs.widgets` - tables, figures and widget panels.
-* :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``).
+  :mod:`labs.checks_collectives`, chapter 5 in :mod:`labs.checks_ddp`).
+* :mod:`labs.viz`, :mod:`labs.viz_ddp`, :mod:`labs.widgets` - tables, figures, widget panels.
+* :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``,
+  ``... ddp``).
 * :mod:`labs.grading` - for instructors: release learners' copies of the notebooks and grade
   them with nbval (``python -m labs.grading release|grade``).
 """

@@ -4,6 +4,10 @@
     torchrun --nproc_per_node=4 -m labs toy --grads 0.1 -0.2 0.4 -0.1
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 \\
         --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 -m labs grads
+    python -m labs ddp --world-size 2 --steps 60 --wrapper ours
+    python -m labs ddp --world-size 2 --steps 20 --checkpoint run.pt --checkpoint-every 10
+    python -m labs ddp --world-size 2 --steps 40 --checkpoint run.pt --resume
+    torchrun --standalone --nproc_per_node=2 -m labs ddp --steps 60 --accumulation 2
 
 Under torchrun the world size comes from torchrun and the results are printed by rank 0;
 the workers are the same functions the notebooks launch, with the same settings objects.
@@ -15,6 +19,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from labs.launch import launch, run_torchrun, under_torchrun
@@ -26,13 +31,15 @@ from labs.toy_allreduce import (
     max_abs_difference,
     toy_all_reduce_step,
 )
+from labs.train import TrainConfig, TrainResult, Wrapper, train_worker
 from labs.viz import format_table, toy_table
 
 
-def _run(worker: Callable[..., Any], world_size: int, args: tuple, backend: str) -> list | None:
+def _run(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
+         timeout: float = 60.0) -> list | None:
     if under_torchrun():
         return run_torchrun(worker, args, backend=backend)
-    return launch(worker, world_size, args=args, backend=backend)
+    return launch(worker, world_size, args=args, backend=backend, timeout=timeout)
 
 
 def _toy(opts: argparse.Namespace, world_size: int) -> None:
@@ -58,6 +65,35 @@ def _grads(opts: argparse.Namespace, world_size: int) -> None:
     print(format_table(["rank", "sentences", "local loss", "max |avg - full batch|"], rows))
 
 
+def _ddp(opts: argparse.Namespace, world_size: int) -> None:
+    config = TrainConfig(
+        steps=opts.steps, batch_size=opts.batch_size, accumulation=opts.accumulation, lr=opts.lr,
+        seed=opts.seed, wrapper=Wrapper(opts.wrapper), bucket_cap_mb=opts.bucket_cap_mb,
+        checkpoint=opts.checkpoint, checkpoint_every=opts.checkpoint_every, resume=opts.resume,
+    )
+    config.steps_per_epoch(world_size)  # refuse a batch larger than a rank's data here
+    if config.resume and not Path(str(config.checkpoint)).exists():
+        raise ValueError(f"--resume: no checkpoint at {config.checkpoint}; run once without "
+                         "--resume first.")
+    results = _run(train_worker, world_size, (config,), opts.backend, timeout=opts.timeout)
+    if results is not None:
+        print(_train_report(results[0]))
+
+
+def _train_report(result: TrainResult, rows: int = 10) -> str:
+    """The loss every few steps (every step for short runs), then the throughput."""
+    every = max(1, result.steps // rows)
+    steps = range(result.start_step + 1, result.start_step + result.steps + 1)
+    table = [[step, loss] for step, loss in zip(steps, result.losses, strict=True)
+             if step % every == 0 or step == steps[-1]]
+    rate = result.world_size * result.tokens / result.seconds if result.seconds else 0.0
+    return "\n".join([
+        format_table(["step", "loss"], table),
+        f"final loss {result.final_loss:.4f} after step {result.start_step + result.steps}; "
+        f"{rate:,.0f} tokens/s on {result.world_size} ranks ({result.seconds:.2f} s)",
+    ])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m labs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +107,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     grads = sub.add_parser("grads", help="chapter 1: averaged gradients = full-batch gradient")
     grads.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     grads.set_defaults(run=_grads)
-    for lab in (toy, grads):
+    defaults = TrainConfig()
+    ddp = sub.add_parser("ddp", help="chapter 5: train a small transformer, data parallel")
+    ddp.add_argument("--steps", type=int, default=defaults.steps,
+                     help="optimizer steps to reach (a resumed run continues up to it)")
+    ddp.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                     help="windows per rank per micro-batch")
+    ddp.add_argument("--accumulation", type=int, default=defaults.accumulation,
+                     help="micro-batches per optimizer step")
+    ddp.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
+    ddp.add_argument("--seed", type=int, default=defaults.seed,
+                     help="model initialisation and data order")
+    ddp.add_argument("--wrapper", choices=[w.value for w in Wrapper],
+                     default=defaults.wrapper.value, help="the data-parallel wrapper")
+    ddp.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb,
+                     help="bucket size in MiB (ours, torch)")
+    ddp.add_argument("--checkpoint", metavar="PATH", help="save to (and resume from) this file")
+    ddp.add_argument("--checkpoint-every", type=int, metavar="STEPS",
+                     help="also save every this many steps (default: at the end only)")
+    ddp.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    ddp.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds before local ranks are killed (ignored under torchrun)")
+    ddp.set_defaults(run=_ddp)
+    for lab in (toy, grads, ddp):
         lab.add_argument("--world-size", type=int, default=4,
                          help="ranks to launch on this machine (ignored under torchrun)")
         lab.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")

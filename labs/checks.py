@@ -11,7 +11,8 @@ verdict names what it drew, so that a grader's verdict can be rerun by hand.
 
 Exercise 1.1 lives here; the checks of chapters 2-4 (``check_ring_all_reduce``,
 ``check_ring_reduce_scatter``, ``check_ring_all_gather``, ``check_composed_all_reduce``) live in
-:mod:`labs.checks_collectives` and are importable from here too.
+:mod:`labs.checks_collectives`, those of chapter 5 (``check_simple_ddp``, ``check_bucketed_ddp``)
+in :mod:`labs.checks_ddp`, and all are importable from here too.
 """
 
 from __future__ import annotations
@@ -222,11 +223,19 @@ _COLLECTIVE_CHECKS = (
 )
 
 
+#: Exercises 5.1-5.2, re-exported from labs.checks_ddp in the same way.
+_DDP_CHECKS = ("check_simple_ddp", "check_bucketed_ddp")
+
+
 def __getattr__(name: str) -> object:
-    # Imported on first use rather than at the top: labs.checks_collectives imports
-    # CheckResult from this module, so an eager import here would be circular.
+    # Imported on first use rather than at the top: labs.checks_collectives and
+    # labs.checks_ddp import CheckResult from this module, so an eager import would be circular.
     if name in _COLLECTIVE_CHECKS:
         from labs import checks_collectives
 
         return getattr(checks_collectives, name)
+    if name in _DDP_CHECKS:
+        from labs import checks_ddp
+
+        return getattr(checks_ddp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

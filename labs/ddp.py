@@ -42,6 +42,8 @@ from torch import nn
 #: torch DDP's default bucket size, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25.0
 _MIB = 1024 * 1024
+#: Attribute a parameter carries while a :class:`DDP` has hooked it.
+_OWNER = "_labs_ddp_hooked"
 
 
 def broadcast_state(module: nn.Module, group: dist.ProcessGroup | None = None, src: int = 0
@@ -155,10 +157,6 @@ class Bucket:
     work: Any = None
     """The all-reduce's ``dist.Work`` while LAUNCHED."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
     def slot(self, position: int) -> torch.Tensor:
         """The part of ``buffer`` that holds ``params[position]``'s gradient (a view)."""
         param = self.params[position]
@@ -172,7 +170,8 @@ def assign_buckets(params: list[tuple[str, nn.Parameter]], bucket_cap_mb: float
     order (backward produces the last layer's gradients first), add each to the open bucket
     of its dtype and device, and close that bucket once it holds ``bucket_cap_mb`` MiB or
     more. A parameter larger than the cap gets a bucket of its own; a tiny cap gives one
-    parameter per bucket. (torch also makes its first bucket 1 MiB; this does not.)"""
+    parameter per bucket. (torch 2.13 makes its first bucket 1 MiB when ``bucket_cap_mb`` is
+    left at its default; this does not.)"""
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be positive (MiB), got {bucket_cap_mb!r}; "
                          f"torch's default is {DEFAULT_BUCKET_CAP_MB}.")
@@ -241,9 +240,10 @@ class DDP(_SyncMixin, nn.Module):
     are split into buckets (:func:`assign_buckets`), and each parameter gets a
     ``register_post_accumulate_grad_hook``. The hook receives the *parameter* (its ``.grad``
     is complete, tied uses included) and copies the gradient into its bucket; when a bucket
-    is full, it is divided by N and its ``all_reduce`` is launched with ``async_op=True``, in
-    bucket order. :meth:`finish_gradient_synchronization` waits for every bucket and copies
-    the averages back into ``p.grad``.
+    is full, its ``all_reduce`` (a sum) is launched with ``async_op=True``, in bucket order.
+    :meth:`finish_gradient_synchronization` waits for every bucket and writes sum / N back
+    into ``p.grad``. (torch divides the bucket by N before its all-reduce: one more pass over
+    the bucket, and at N not a power of two a different rounding.)
 
     Memory: one extra copy of the trainable gradients (the buckets). torch's
     ``gradient_as_bucket_view=True`` avoids it by making ``p.grad`` a view of the bucket.
@@ -294,8 +294,25 @@ class DDP(_SyncMixin, nn.Module):
                 self._params.append(p)
         self._next_launch = 0
         self._locally_used: list[bool] = [False] * len(self._params)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                       for p in self._params]
+        wrapped = [n for b in self.buckets for n, p in zip(b.names, b.params, strict=True)
+                   if getattr(p, _OWNER, None) is not None]
+        if wrapped:
+            raise ValueError(
+                f"DDP: {wrapped[0]} is already hooked by another DDP wrapper, whose hooks would "
+                "also fire. Call remove_hooks() on the old wrapper first, or wrap a fresh model.")
+        self._hooks = []
+        for p in self._params:
+            setattr(p, _OWNER, True)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from the module's parameters (to wrap the module again)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for p in self._params:
+            if hasattr(p, _OWNER):
+                delattr(p, _OWNER)
 
     def _root(self) -> int:
         return dist.get_global_rank(self.process_group, 0) if self.process_group else 0
@@ -317,13 +334,21 @@ class DDP(_SyncMixin, nn.Module):
         return output
 
     def _mark_unused(self, reached: set[int]) -> None:
-        """Zero the slots of parameters the graph does not reach and count them as ready."""
-        self._locally_used = [id(p) in reached for p in self._params]
-        for param, used in zip(self._params, self._locally_used, strict=True):
-            if not used:
-                bucket, position, _ = self._where[id(param)]
+        """Count the parameters the graph does not reach as ready now. Their slot holds the
+        gradient accumulated so far (inside ``no_sync()``), or zeros if there is none; a
+        parameter with an accumulated gradient counts as used (as in torch's reducer)."""
+        for k, param in enumerate(self._params):
+            if id(param) in reached:
+                self._locally_used[k] = True
+                continue
+            bucket, position, _ = self._where[id(param)]
+            if param.grad is None:
                 bucket.slot(position).zero_()
-                self._arrive(bucket, position)
+                self._locally_used[k] = False
+            else:
+                bucket.slot(position).copy_(param.grad)
+                self._locally_used[k] = True
+            self._arrive(bucket, position)
 
     # -- during backward --
 
@@ -357,7 +382,6 @@ class DDP(_SyncMixin, nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.buffer /= self.world_size  # the sum over ranks of g / N is the mean
         self.timeline.launched[bucket.index] = time.perf_counter()
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         bucket.state = BucketState.LAUNCHED
@@ -388,9 +412,11 @@ class DDP(_SyncMixin, nn.Module):
             for position, param in enumerate(bucket.params):
                 if param.grad is not None and (used is None or self._locally_used[
                         self._where[id(param)][2]]):
-                    param.grad.copy_(bucket.slot(position))
+                    # the mean, written straight into .grad: dividing here rather than before
+                    # the all-reduce saves one pass over the bucket
+                    torch.div(bucket.slot(position), self.world_size, out=param.grad)
                 elif used is not None and used[self._where[id(param)][2]]:
-                    param.grad = bucket.slot(position).clone()  # only a peer used it
+                    param.grad = bucket.slot(position) / self.world_size  # a peer used it
             bucket.arrived.clear()
             bucket.state, bucket.work = BucketState.FILLING, None
         self._next_launch = 0
@@ -399,6 +425,8 @@ class DDP(_SyncMixin, nn.Module):
     def _globally_used(self) -> list[bool]:
         """One extra small all-reduce, after every bucket's: which parameters got a gradient
         on at least one rank."""
+        if not self._params:
+            return []
         flags = torch.tensor(self._locally_used, dtype=torch.int32,
                              device=self.buckets[0].buffer.device)
         dist.all_reduce(flags, group=self.process_group)

@@ -63,7 +63,11 @@ _FAILURE_GRACE_S = 0.3
 #: How long a rank gets to exit after SIGTERM before SIGKILL.
 _KILL_GRACE_S = 1.0
 #: Modules the forkserver imports once, so that forked ranks start with torch loaded.
-_PRELOAD = ["torch", "torch.distributed", "labs.launch"]
+#: torch._dynamo: building the first torch.optim optimizer imports it (torch.optim wraps its
+#: methods with dynamo's "disable"), about 1.3 s per rank per launch on 2 cores; preloaded, a
+#: later launch that builds an optimizer takes 0.07 s instead of 1.4 s. It starts no thread,
+#: so forking after it stays safe.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labs.launch"]
 #: Error texts that mean "a peer went away", not "this rank's code is wrong".
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"

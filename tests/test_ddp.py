@@ -277,3 +277,42 @@ def test_buffers_are_broadcast_before_each_forward():
     torch.testing.assert_close(same[0], same[1])
     apart = launch(buffers_worker, 2, args=(False,), echo=False)
     assert not torch.allclose(apart[0], apart[1])
+
+
+def accumulated_unused_worker(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """``skip`` is used in the first micro-batch (inside no_sync) and not in the last."""
+    model = DDP(Branchy(), bucket_cap_mb=1e-9, find_unused_parameters=True)
+    x = torch.ones(2, 4) * (rank + 1)
+    with model.no_sync():
+        model(x, use_skip=True).sum().backward()
+    model(x, use_skip=False).sum().backward()
+    model.finish_gradient_synchronization()
+    return {n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None}
+
+
+def test_find_unused_keeps_what_no_sync_accumulated():
+    results = launch(accumulated_unused_worker, 2, echo=False)
+    for grads in results:
+        # rank r's skip.bias gradient is 2 (a sum over 2 rows); the mean over ranks is 2
+        torch.testing.assert_close(grads["skip.bias"], torch.full((4,), 2.0))
+        torch.testing.assert_close(grads["skip.weight"], torch.full((4, 4), (2 + 4) / 2))
+        assert "never.weight" not in grads
+
+
+def rewrap_worker(rank: int, world_size: int) -> str:
+    net = nn.Linear(2, 2)
+    first = DDP(net)
+    try:
+        DDP(net)
+    except ValueError as err:
+        message = str(err)
+    first.remove_hooks()
+    second = DDP(net)
+    second(torch.ones(1, 2)).sum().backward()
+    second.finish_gradient_synchronization()  # only one wrapper's hooks fired
+    return message
+
+
+def test_wrapping_a_hooked_module_again_is_refused_until_the_old_hooks_are_removed():
+    message = launch(rewrap_worker, 1, echo=False)[0]
+    assert "already hooked by another DDP wrapper" in message and "remove_hooks()" in message

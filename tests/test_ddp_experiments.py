@@ -107,7 +107,7 @@ def test_the_sampler_partitions_pads_and_reshuffles_per_epoch():
 def test_padding_double_counts_in_evaluation():
     per_rank = launch(evaluation_worker, 4, args=(10, False), echo=False)
     correct, seen = map(sum, zip(*per_rank, strict=True))
-    assert (correct, seen) == (6, 12)  # samples 0 and 1 are read twice; the true count is 5/10
+    assert (correct, seen) == (5, 12)  # samples 0 and 1 are read twice; the truth is 4/10
 
 
 def test_bucket_plan_names_what_each_bucket_holds():

@@ -7,10 +7,11 @@ within the time limit (``GradeSettings.timeout``):
    the exercises before this one, then the learner's cells for this exercise (see
    :func:`labs.grading.notebook.learner_cells`), and pickles the functions the checks take.
    The learner's stored outputs are never read.
-2. **Judge.** Another fresh kernel, which never runs a learner's cell, runs the ``setup``
-   cells, loads those functions, and runs the reference's check cells, once as written and
-   once with ``seed=`` (hidden cases drawn at grading time), under ``pytest --nbval-lax``
-   against the outputs stored in the reference. A sanitizer reduces both sides to the
+2. **Judge.** Another fresh kernel, which never runs a learner's cell, imports the check
+   functions (or runs the ``setup`` cells: :func:`judge_prelude`), loads the learner's
+   functions, and runs the reference's check cells, once as written and once with ``seed=``
+   (hidden cases drawn at grading time), under ``pytest --nbval-lax`` against the outputs
+   stored in the reference. A sanitizer reduces both sides to the
    verdict (``PASS: Exercise 2.1``), because the hidden run's message names its cases.
 
 So printing a fake verdict, editing stored outputs, or redefining or monkeypatching the
@@ -358,7 +359,7 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
            work: Path) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
     """Stage 2. Returns (passed, reason, details, per-check verdicts)."""
     verdicts_path = work / "verdicts.json"
-    cells = [_code(s) for s in chapter.sources(chapter.setup)]
+    cells = [_code(s) for s in judge_prelude(chapter, ex)]
     cells.append(_code(
         "import labs.grading.submission as _labs_grading\n"
         f"globals().update(_labs_grading.load({str(work / 'submission')!r}))\n"
@@ -403,6 +404,23 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
         return False, _last_error_line(failures[0]), "\n\n".join(failures), checks
     return False, ("the checks did not run (pytest exit code "
                    f"{run.returncode}): {_clip(run.stdout + run.stderr)}"), run.stdout, checks
+
+
+def judge_prelude(chapter: Chapter, ex: ExerciseCells) -> list[str]:
+    """What the judging kernel runs before the check cells.
+
+    The check cells need their check functions and nothing else, as a rule: then one import
+    from :mod:`labs.checks` replaces the chapter's setup cells, which also import plotting and
+    widget libraries (about 2.5 s of a kernel's time per exercise). A check that is not
+    importable from there, or a call that reads another name (a constant defined in a setup
+    cell), gets the setup cells."""
+    import labs.checks  # noqa: PLC0415 - torch and the checks, only when judging
+
+    functions = sorted({call.function for call in ex.calls})
+    others = {n for call in ex.calls for n in call.names} - {*functions, *ex.submitted}
+    if others or not all(hasattr(labs.checks, f) for f in functions):
+        return chapter.sources(chapter.setup)
+    return [f"from labs.checks import {', '.join(functions)}"]
 
 
 def _junit_failures(path: Path) -> list[str]:

@@ -80,6 +80,9 @@ class CheckCall:
     """Notebook names passed to it: the functions the learner writes."""
     call_source: str
     """The call expression alone (no assignment), as source."""
+    names: tuple[str, ...] = ()
+    """Every name the call reads: the check function, the learner's functions, and any
+    other name it passes (a constant from a setup cell, say)."""
 
     def with_seed(self, seed: int) -> str:
         """Source of the same call drawing the hidden cases of ``seed``."""
@@ -110,7 +113,8 @@ def parse_check(source: str, where: str) -> CheckCall:
     names = tuple(a.id for a in value.args if isinstance(a, ast.Name))
     if not names:
         raise GradingError(f"{where}: the check call passes no notebook function by name.")
-    return CheckCall(value.func.id, names, ast.unparse(value))
+    read = tuple(dict.fromkeys(n.id for n in ast.walk(value) if isinstance(n, ast.Name)))
+    return CheckCall(value.func.id, names, ast.unparse(value), read)
 
 
 @dataclass(frozen=True)
