@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The book build executes every notebook; fail on warnings, on a broken reference or a cell error.
 JB_FLAGS ?= -W -n --keep-going
 
-.PHONY: env book test lint bench notebooks clean
+.PHONY: env book test test-slow lint bench notebooks clean
 
 env: $(STAMP)
 
@@ -34,8 +34,13 @@ test: $(STAMP)
 	@grep -q 'execute_notebooks: "off"' $(STORED_CONFIG) || \
 	  { echo "Makefile: _config.yml no longer says 'execute_notebooks: cache'; update the test target"; exit 1; }
 	$(BIN)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
-	$(BIN)/python -m pytest tests -q -n $(WORKERS) --dist worksteal
+	$(BIN)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow"
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks -q -n $(WORKERS) --dist loadscope
+
+# The tests marked slow: more cases of kinds `make test` already runs (every chapter's
+# grading, collectives on 5-8 ranks). CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m slow
 
 # Re-execute the notebooks in place: their committed outputs are what nbval compares against.
 notebooks: $(STAMP)

@@ -479,7 +479,8 @@ def case_problems(case: Case, members: Sequence[int], found: list[dict]) -> list
     return problems
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [
+    n if n <= 4 else pytest.param(n, marks=pytest.mark.slow) for n in WORLD_SIZES])
 @BATCHES
 @given(drawn=st.lists(cases, min_size=8, max_size=12))
 def test_every_collective_matches_torch(world_size, drawn):

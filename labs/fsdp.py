@@ -1,0 +1,341 @@
+"""Chapter 6, part 2: fully sharded data parallelism (ZeRO stage 3) from scratch.
+
+:class:`FSDP` cuts a model into *units* (by default: every direct child module with trainable
+parameters, plus a root unit for the rest). Each unit's trainable parameters are flattened
+into one vector, zero-padded to a multiple of N and split into N equal shards; rank r keeps
+shard r, in fp32, as an ``nn.Parameter`` (the optimizer's parameters are the shards). Then
+for every unit, every step:
+
+* **before its forward** (``unshard``): all-gather the shards into the unit's full flat
+  vector, in ``compute_dtype``, and point the unit's parameters at views of it;
+* **after its forward** (``reshard``): free the full vector's storage (``resize_(0)``): the
+  views that autograd saved for backward stay, empty;
+* **before its backward** (a hook on the unit's outputs): all-gather again, into the same
+  storage, so the saved views are valid again;
+* **after its backward** (a hook on the full vector, once its gradient is complete):
+  reduce-scatter the gradient, add shard r of the sum divided by N to the shard's ``.grad``,
+  and free the full vector and its gradient.
+
+Traffic per rank and step, for S bytes of parameters: an all-gather in forward and one in
+backward, (N-1)/N * S each, and a reduce-scatter, (N-1)/N * S: 3(N-1)/N * S, 1.5 times DDP's
+all-reduce. Memory: 1/N of everything, plus the full parameters and gradient of the units
+in flight. Frozen parameters stay whole on every rank, outside the flat vectors; a parameter
+shared by two units (tied weights) belongs to the root unit.
+
+The collectives are chapter 3's and 4's (:mod:`labs.collectives`, point-to-point messages),
+so a :class:`~labs.collectives.Recorder` counts every byte. Names follow PyTorch FSDP:
+``unshard``/``reshard``, ``ShardedState``, ``finish_gradient_synchronization``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labs.collectives import Recorder, ring_all_gather, ring_reduce_scatter
+from labs.zero import shard_numel
+
+
+class ShardedState(enum.Enum):
+    """Whether a unit's full parameters exist right now."""
+
+    SHARDED = "sharded"
+    """Only this rank's shard is held; the full vector's storage is empty."""
+    UNSHARDED = "unsharded"
+    """The full vector is gathered and the unit's parameters are views of it."""
+
+
+class Event(enum.Enum):
+    """What an :class:`FSDP` observer is told, with the unit's name."""
+
+    UNSHARD_FORWARD = "all-gather for forward"
+    RESHARD_FORWARD = "free after forward"
+    UNSHARD_BACKWARD = "all-gather for backward"
+    REDUCE_SCATTER = "reduce-scatter gradient"
+    RESHARD_BACKWARD = "free after backward"
+
+
+@dataclass
+class _Place:
+    """Where a parameter lives in the module tree: ``module.<attr>``."""
+
+    module: nn.Module
+    attr: str
+
+
+@dataclass
+class FlatUnit:
+    """One unit: its parameters as one flat vector, this rank's fp32 shard, the full vector."""
+
+    name: str
+    module: nn.Module
+    names: list[list[str]]
+    """Per parameter, its names in the wrapped model (two or more when tied)."""
+    shapes: list[torch.Size]
+    places: list[list[_Place]]
+    """Per parameter, every attribute that refers to it (two or more when tied)."""
+    offsets: list[int]
+    numel: int
+    """Elements of the parameters together (without padding)."""
+    shard: nn.Parameter
+    """1-D fp32, numel = ceil(numel / N): this rank's shard of the padded flat vector."""
+    full: torch.Tensor
+    """1-D, compute dtype, numel = N * shard numel, a leaf that requires grad; its storage
+    is empty while SHARDED."""
+    state: ShardedState = ShardedState.SHARDED
+    backward_pending: bool = False
+    hooks: list[Any] = field(default_factory=list)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.full.numel()
+
+    def views(self) -> Iterator[tuple[list[_Place], torch.Tensor]]:
+        for places, shape, offset in zip(self.places, self.shapes, self.offsets, strict=True):
+            yield places, self.full[offset:offset + shape.numel()].view(shape)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Every direct child with trainable parameters: the layers of a Sequential, the blocks
+    of a transformer if they are its children."""
+    return [child for child in module.children()
+            if any(p.requires_grad for p in child.parameters())]
+
+
+class FSDP(nn.Module):
+    """ZeRO stage 3 (see the module docstring). Use it like :class:`labs.ddp.DDP`:
+
+        model = FSDP(net)                          # or FSDP(net, units=[...])
+        optimizer = torch.optim.Adam(model.parameters())   # the fp32 shards
+        model(x).sum().backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+
+    Args:
+        module: the model, built the same way on every rank (its parameters are broadcast
+            from rank 0 before they are sharded).
+        compute_dtype: dtype of the gathered parameters, of forward and backward, and of the
+            collectives (e.g. ``torch.bfloat16``); the shards stay fp32. Floating-point
+            inputs of the root forward are cast to it.
+        units: the submodules to shard as units (each gathered and freed on its own); the
+            default is :func:`default_units`. Parameters outside them form the root unit.
+        observer: called with an :class:`Event` and the unit's name at every gather, free
+            and reduce-scatter (the memory timeline of chapter 6 snapshots there).
+        recorder: counts the bytes this rank sends.
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
+                 units: Sequence[nn.Module] | None = None,
+                 process_group: dist.ProcessGroup | None = None,
+                 observer: Callable[[Event, str], None] | None = None,
+                 recorder: Recorder | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.compute_dtype = compute_dtype
+        self.observer = observer
+        self.recorder = recorder
+        with torch.no_grad():
+            root = dist.get_global_rank(process_group, 0) if process_group else 0
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=root, group=process_group)
+        chosen = list(units) if units is not None else default_units(module)
+        self.units = self._build_units(module, chosen)
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+        for unit in self.units:
+            unit.hooks.append(unit.full.register_post_accumulate_grad_hook(
+                lambda _full, u=unit: self._post_backward(u)))
+            unit.hooks.append(unit.module.register_forward_pre_hook(
+                lambda _m, args, u=unit: self._pre_forward(u, args)))
+            unit.hooks.append(unit.module.register_forward_hook(
+                lambda _m, _args, out, u=unit: self._post_forward(u, out)))
+
+    # -- construction --
+
+    def _build_units(self, module: nn.Module, chosen: list[nn.Module]) -> list[FlatUnit]:
+        """Assign every trainable parameter to one unit; a parameter used by two units, or
+        outside every chosen one, goes to the root (the wrapped module itself)."""
+        owner_of: dict[int, nn.Module] = {}
+        places: dict[int, list[_Place]] = {}
+        all_names: dict[int, list[str]] = {}
+        params: dict[int, nn.Parameter] = {}
+        unit_of_module = {id(m): m for u in chosen for m in u.modules()}
+        unit_root = {id(m): u for u in chosen for m in u.modules()}
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for attr, p in list(mod._parameters.items()):
+                if p is None or not p.requires_grad:
+                    continue
+                key = id(p)
+                params[key] = p
+                places.setdefault(key, []).append(_Place(mod, attr))
+                all_names.setdefault(key, []).append(f"{mod_name}.{attr}" if mod_name else attr)
+                owner = unit_root.get(id(mod)) if id(mod) in unit_of_module else module
+                if key in owner_of and owner_of[key] is not owner:
+                    owner = module  # tied across units: the root holds it
+                owner_of[key] = owner
+        units = []
+        for unit_module in [*chosen, module]:
+            keys = [k for k in params if owner_of[k] is unit_module]
+            if keys:
+                name = next((n for n, m in module.named_modules() if m is unit_module), "")
+                units.append(self._flat_unit(name or "root", unit_module, keys, params, places,
+                                             all_names))
+        return units
+
+    def _flat_unit(self, name: str, unit_module: nn.Module, keys: list[int],
+                   params: dict[int, nn.Parameter], places: dict[int, list[_Place]],
+                   all_names: dict[int, list[str]]) -> FlatUnit:
+        shapes = [params[k].shape for k in keys]
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += shape.numel()
+        k = shard_numel(total, self.world_size)
+        flat = torch.zeros(k * self.world_size, dtype=torch.float32)  # the padded vector
+        for key, offset in zip(keys, offsets, strict=True):
+            flat[offset:offset + params[key].numel()] = params[key].detach().reshape(-1)
+        device = params[keys[0]].device
+        shard = nn.Parameter(flat[self.rank * k:(self.rank + 1) * k].clone().to(device))
+        dtype = self.compute_dtype or torch.float32
+        full = torch.empty(k * self.world_size, dtype=dtype, device=device, requires_grad=True)
+        full.untyped_storage().resize_(0)  # SHARDED: nothing held beyond the shard
+        for key in keys:
+            for place in places[key]:
+                del place.module._parameters[place.attr]  # now a plain attribute (a view)
+        return FlatUnit(name, unit_module, [all_names[k] for k in keys], shapes,
+                        [places[k] for k in keys], offsets, total, shard, full)
+
+    # -- forward and backward hooks --
+
+    def _notify(self, event: Event, unit: FlatUnit) -> None:
+        if self.observer is not None:
+            self.observer(event, unit.name)
+
+    def unshard(self, unit: FlatUnit) -> None:
+        """All-gather the unit's shards into its full vector and point its parameters at it."""
+        if unit.state is ShardedState.UNSHARDED:
+            return
+        full = unit.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        shard = unit.shard.detach().to(full.dtype)
+        gathered = ring_all_gather(shard, group=self.group, recorder=self.recorder)
+        # Through .data: the version counter autograd checks is not bumped, so the views it
+        # saved in forward are valid in backward once the storage is filled again.
+        full.data.copy_(gathered)
+        for places, view in unit.views():
+            for place in places:
+                setattr(place.module, place.attr, view)
+        unit.state = ShardedState.UNSHARDED
+
+    def reshard(self, unit: FlatUnit) -> None:
+        """Free the unit's full vector (its storage becomes empty; the shard stays)."""
+        if unit.state is ShardedState.SHARDED:
+            return
+        unit.full.untyped_storage().resize_(0)
+        unit.state = ShardedState.SHARDED
+
+    def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> None:
+        del args
+        self.unshard(unit)
+        self._notify(Event.UNSHARD_FORWARD, unit)
+
+    def _post_forward(self, unit: FlatUnit, output: Any) -> None:
+        self.reshard(unit)
+        self._notify(Event.RESHARD_FORWARD, unit)
+        if not torch.is_grad_enabled():
+            return
+        unit.backward_pending = True
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, u=unit: self._pre_backward(u, grad))
+
+    def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> torch.Tensor:
+        if unit.backward_pending and unit.state is ShardedState.SHARDED:
+            self.unshard(unit)
+            self._notify(Event.UNSHARD_BACKWARD, unit)
+        return grad
+
+    def _post_backward(self, unit: FlatUnit) -> None:
+        """The full vector's gradient is complete: reduce-scatter it into the shard's grad."""
+        full_grad = unit.full.grad
+        assert full_grad is not None
+        self._notify(Event.REDUCE_SCATTER, unit)
+        mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
+        mine = mine.to(torch.float32) / self.world_size  # 1-D, shard numel
+        if unit.shard.grad is None:
+            unit.shard.grad = mine
+        else:
+            unit.shard.grad += mine
+        unit.full.grad = None
+        unit.backward_pending = False
+        self.reshard(unit)
+        self._notify(Event.RESHARD_BACKWARD, unit)
+
+    # -- the public surface --
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compute_dtype is not None:  # inputs in the parameters' dtype
+            args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(
+                kwargs, self.compute_dtype)
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Check that every unit's gradient was reduce-scattered (they are, during backward)
+        and that every full vector is freed. A unit whose parameters got no gradient cannot
+        be synchronised: an error names it rather than leaving the ranks out of step."""
+        missing = [u.name for u in self.units if u.backward_pending]
+        if missing:
+            raise RuntimeError(
+                f"FSDP: unit(s) {missing} ran forward but got no gradient in backward, so "
+                "their reduce-scatter never ran and the other ranks may wait for it. Use "
+                "every unit's parameters in the loss, or freeze them (requires_grad=False).")
+        for unit in self.units:
+            self.reshard(unit)
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict on every rank (fp32 parameters all-gathered from the
+        shards, frozen parameters and buffers as they are), by the original names."""
+        state: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            flat = ring_all_gather(unit.shard.detach(), group=self.group)  # fp32, padded
+            for names, shape, offset in zip(unit.names, unit.shapes, unit.offsets, strict=True):
+                value = flat[offset:offset + shape.numel()].view(shape).clone()
+                for name in names:  # a tied parameter under each of its names, like state_dict
+                    state[name] = value
+        for name, tensor in self.module.state_dict().items():
+            state.setdefault(name, tensor.detach().clone())
+        return state
+
+    def remove_hooks(self) -> None:
+        for unit in self.units:
+            for handle in unit.hooks:
+                handle.remove()
+            unit.hooks = []

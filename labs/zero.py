@@ -1,0 +1,184 @@
+"""Chapter 6, part 1: ZeRO stages 1 and 2 (Rajbhandari et al., arXiv 1910.02054).
+
+Data parallelism keeps N copies of everything: the parameters, their gradients and the
+optimizer state. With Adam in fp32 that is 4 + 4 + 8 = 16 bytes per parameter on every rank.
+ZeRO removes the copies one kind at a time:
+
+* **Stage 1** (:class:`ShardedOptimizer`): the optimizer state. Every trainable parameter is
+  flattened, padded to a multiple of N and cut into N equal shards; rank r keeps the
+  optimizer state of shard r of every parameter and updates only that shard. The gradients
+  are reduce-scattered (rank r receives the sum of shard r) and the updated shards are
+  all-gathered back into the parameters. Per rank and step that is (N-1)/N * S for the
+  reduce-scatter and (N-1)/N * S for the all-gather: the 2(N-1)/N * S of DDP's all-reduce, since
+  a ring all-reduce *is* a reduce-scatter followed by an all-gather (chapter 4).
+* **Stage 2** (``stage=ZeroStage.GRADIENTS``): the gradients too. A hook on every parameter
+  reduce-scatters its gradient as soon as backward has produced it, keeps this rank's shard
+  of the sum, and frees the full gradient (``p.grad = None``): a rank holds full gradients
+  only for the parameters in flight. Same traffic.
+
+Stage 3 shards the parameters themselves: :mod:`labs.fsdp`.
+
+The collectives are those of :mod:`labs.collectives` (built on point-to-point messages, so
+they run on gloo and nccl alike), and a :class:`~labs.collectives.Recorder` passed in counts
+every byte this rank sends.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labs.collectives import Recorder, ring_all_gather, ring_reduce_scatter
+
+
+class ZeroStage(enum.Enum):
+    """What :class:`ShardedOptimizer` shards besides the optimizer state."""
+
+    OPTIMIZER = 1
+    """ZeRO-1: optimizer state only; full gradients on every rank until the step."""
+    GRADIENTS = 2
+    """ZeRO-2: gradients too, reduce-scattered during backward."""
+
+
+@dataclass
+class ShardedParameter:
+    """One parameter seen as N equal shards of its flattened, zero-padded values.
+
+    ``param.data`` is re-pointed at ``padded[:numel]`` (viewed in its shape), so the shard this
+    rank owns, ``padded[rank * shard_numel:(rank + 1) * shard_numel]``, is a *view* of the
+    parameter: updating the shard updates the parameter, and no second copy is kept.
+    """
+
+    name: str
+    param: nn.Parameter
+    padded: torch.Tensor
+    """1-D, numel = world_size * shard_numel; the parameter's values, then zeros."""
+    shard: nn.Parameter
+    """This rank's shard of ``padded`` (a view), what the local optimizer updates."""
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per shard: ``ceil(numel / world_size)`` (the last shards hold the padding)."""
+    return math.ceil(numel / world_size)
+
+
+def _shard_parameter(name: str, param: nn.Parameter, rank: int, world_size: int
+                     ) -> ShardedParameter:
+    k = shard_numel(param.numel(), world_size)
+    padded = torch.zeros(k * world_size, dtype=param.dtype, device=param.device)  # 1-D
+    padded[:param.numel()].copy_(param.detach().reshape(-1))
+    param.data = padded[:param.numel()].view_as(param)  # the parameter now lives in `padded`
+    shard = nn.Parameter(padded[rank * k:(rank + 1) * k])  # a view: numel = k
+    return ShardedParameter(name, param, padded, shard)
+
+
+def _flat_padded(tensor: torch.Tensor, padded_numel: int) -> torch.Tensor:
+    """``tensor`` flattened and zero-padded to ``padded_numel`` (a copy only when padding)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == padded_numel:
+        return flat
+    out = torch.zeros(padded_numel, dtype=flat.dtype, device=flat.device)
+    out[:flat.numel()].copy_(flat)
+    return out
+
+
+class ShardedOptimizer:
+    """ZeRO stage 1 or 2 around any torch optimizer (``optimizer_cls(shards, **kwargs)``).
+
+    Use it as the model's only gradient synchronisation (not inside DDP): after
+    ``loss.backward()``, :meth:`step` reduce-scatters what stage 2 has not already
+    reduce-scattered, averages, steps this rank's shards, and all-gathers every parameter.
+    ``zero_grad()`` clears the full gradients and the shard gradients.
+
+    Memory per rank, for P trainable parameters (measured in chapter 6): the parameters (4P
+    bytes in fp32), the gradients (4P at stage 1, about 4P/N plus one parameter's gradient in
+    flight at stage 2), and the optimizer state of P/N parameters (8P/N for Adam).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]],
+                 optimizer_cls: Callable[..., torch.optim.Optimizer], *,
+                 stage: ZeroStage = ZeroStage.OPTIMIZER,
+                 process_group: dist.ProcessGroup | None = None,
+                 recorder: Recorder | None = None, **kwargs: Any) -> None:
+        self.group = process_group
+        self.stage = stage
+        self.recorder = recorder
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        named = [(p if isinstance(p, tuple) else (f"param{i}", p)) for i, p in enumerate(params)]
+        seen: set[int] = set()
+        self.sharded: list[ShardedParameter] = []
+        for name, param in named:
+            if not param.requires_grad or id(param) in seen:
+                continue  # frozen parameters are left whole; a tied one is sharded once
+            seen.add(id(param))
+            self.sharded.append(_shard_parameter(name, param, self.rank, self.world_size))
+        self.optimizer = optimizer_cls([s.shard for s in self.sharded], **kwargs)
+        self._hooks = []
+        if stage is ZeroStage.GRADIENTS:
+            self._hooks = [s.param.register_post_accumulate_grad_hook(self._reduce_now)
+                           for s in self.sharded]
+        self._by_param = {id(s.param): s for s in self.sharded}
+
+    # -- stage 2: during backward --
+
+    def _reduce_now(self, param: nn.Parameter) -> None:
+        """Reduce-scatter a full gradient the moment it is complete, keep this rank's shard
+        of the sum (added to what earlier backward passes left), free the full gradient."""
+        sharded = self._by_param[id(param)]
+        summed = self._reduce_scatter(sharded, param.grad)
+        if sharded.shard.grad is None:
+            sharded.shard.grad = summed
+        else:
+            sharded.shard.grad += summed
+        param.grad = None  # the full gradient is gone: only the shard remains
+
+    def _reduce_scatter(self, sharded: ShardedParameter, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the sum over ranks of ``grad`` (1-D, numel = shard numel)."""
+        flat = _flat_padded(grad, sharded.padded.numel())
+        return ring_reduce_scatter(flat, group=self.group, recorder=self.recorder)
+
+    # -- the step --
+
+    def step(self) -> None:
+        """Average the gradients' shards, step them, and all-gather every parameter."""
+        for sharded in self.sharded:
+            if self.stage is ZeroStage.OPTIMIZER and sharded.param.grad is not None:
+                sharded.shard.grad = self._reduce_scatter(sharded, sharded.param.grad)
+            if sharded.shard.grad is not None:
+                sharded.shard.grad /= self.world_size  # the sum over ranks -> the mean
+        self.optimizer.step()
+        with torch.no_grad():
+            for sharded in self.sharded:
+                gathered = ring_all_gather(sharded.shard.detach(), group=self.group,
+                                           recorder=self.recorder)
+                sharded.padded.copy_(gathered)  # every rank's updated shard, in place
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for sharded in self.sharded:
+            for tensor in (sharded.param, sharded.shard):
+                if set_to_none:
+                    tensor.grad = None
+                elif tensor.grad is not None:
+                    tensor.grad.zero_()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (every tensor in ``optimizer.state``)."""
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor))
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
