@@ -550,7 +550,7 @@ def ring_reduce_scatter(
 def ring_all_gather(
     shard: torch.Tensor, group: ProcessGroup | None = None, *, numel: int | None = None,
     recorder: Recorder | None = None, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
-    window: int = DEFAULT_WINDOW,
+    window: int = DEFAULT_WINDOW, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather by ring: returns a new 1-D tensor, the concatenation of every rank's
     ``shard`` in rank order.
@@ -559,7 +559,9 @@ def ring_all_gather(
     length (torch's ``all_gather_into_tensor``); pass it to gather the uneven shards that
     :func:`ring_reduce_scatter` returns (rank i then must hold chunk i of ``shard_bounds``).
     The second phase of :func:`ring_all_reduce`: N-1 steps, each rank sends and receives
-    (N-1)/N·S, where S is the size of the result.
+    (N-1)/N·S, where S is the size of the result. ``out`` (1-D, contiguous, ``numel``
+    elements, the shard's dtype) receives the result instead of a new tensor: FSDP gathers
+    into storage it keeps.
     """
     if not isinstance(shard, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(shard).__name__}")
@@ -574,7 +576,12 @@ def ring_all_gather(
             f"rank {peers.rank}: shard has {flat_shard.numel()} elements but chunk "
             f"{peers.rank} of {numel} over {peers.size} ranks has {expected} (shard_bounds)."
         )
-    out = torch.empty(numel, dtype=shard.dtype, device=shard.device)  # 1-D, S bytes
+    if out is None:
+        out = torch.empty(numel, dtype=shard.dtype, device=shard.device)  # 1-D, S bytes
+    elif (out.dim() != 1 or out.numel() != numel or out.dtype != shard.dtype
+          or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous 1-D {shard.dtype} tensor of {numel} "
+                         f"elements, got {out.dtype} of shape {tuple(out.shape)}.")
     mine = out[bounds[peers.rank]:bounds[peers.rank + 1]]
     mine.copy_(flat_shard)
     if peers.size > 1 and numel:

@@ -246,10 +246,9 @@ class FSDP(nn.Module):
         full = unit.full
         full.untyped_storage().resize_(full.numel() * full.element_size())
         shard = unit.shard.detach().to(full.dtype)
-        gathered = ring_all_gather(shard, group=self.group, recorder=self.recorder)
-        # Through .data: the version counter autograd checks is not bumped, so the views it
+        # Into .data: the version counter autograd checks is not bumped, so the views it
         # saved in forward are valid in backward once the storage is filled again.
-        full.data.copy_(gathered)
+        ring_all_gather(shard, group=self.group, recorder=self.recorder, out=full.data)
         for places, view in unit.views():
             for place in places:
                 setattr(place.module, place.attr, view)

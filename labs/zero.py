@@ -96,7 +96,8 @@ def _flat_padded(tensor: torch.Tensor, padded_numel: int) -> torch.Tensor:
 class ShardedOptimizer:
     """ZeRO stage 1 or 2 around any torch optimizer (``optimizer_cls(shards, **kwargs)``).
 
-    Use it as the model's only gradient synchronisation (not inside DDP): after
+    It broadcasts rank 0's values of the parameters when it is built. Use it as the model's
+    only gradient synchronisation (not inside DDP): after
     ``loss.backward()``, :meth:`step` reduce-scatters what stage 2 has not already
     reduce-scattered, averages, steps this rank's shards, and all-gathers every parameter.
     ``zero_grad()`` clears the full gradients and the shard gradients.
@@ -119,11 +120,15 @@ class ShardedOptimizer:
         named = [(p if isinstance(p, tuple) else (f"param{i}", p)) for i, p in enumerate(params)]
         seen: set[int] = set()
         self.sharded: list[ShardedParameter] = []
+        root = dist.get_global_rank(process_group, 0) if process_group else 0
         for name, param in named:
-            if not param.requires_grad or id(param) in seen:
-                continue  # frozen parameters are left whole; a tied one is sharded once
+            if id(param) in seen:
+                continue  # a tied parameter: once
             seen.add(id(param))
-            self.sharded.append(_shard_parameter(name, param, self.rank, self.world_size))
+            with torch.no_grad():  # every rank starts from rank 0's values, frozen ones too
+                dist.broadcast(param, src=root, group=process_group)
+            if param.requires_grad:  # frozen parameters are left whole
+                self.sharded.append(_shard_parameter(name, param, self.rank, self.world_size))
         self.optimizer = optimizer_cls([s.shard for s in self.sharded], **kwargs)
         self._hooks = []
         if stage is ZeroStage.GRADIENTS:
@@ -160,10 +165,9 @@ class ShardedOptimizer:
                 sharded.shard.grad /= self.world_size  # the sum over ranks -> the mean
         self.optimizer.step()
         with torch.no_grad():
-            for sharded in self.sharded:
-                gathered = ring_all_gather(sharded.shard.detach(), group=self.group,
-                                           recorder=self.recorder)
-                sharded.padded.copy_(gathered)  # every rank's updated shard, in place
+            for sharded in self.sharded:  # every rank's updated shard, into the parameter
+                ring_all_gather(sharded.shard.detach().clone(), group=self.group,
+                                recorder=self.recorder, out=sharded.padded)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for sharded in self.sharded:

@@ -1,0 +1,273 @@
+"""ZeRO-1, ZeRO-2 and FSDP on real ranks: parity with one process on the full batch, shards,
+frees, traffic, and the errors that say what to do.
+
+The oracle is the one of chapter 5: a single-process model trained on the whole batch from
+the same initialisation; after every step every rank's full parameters must equal it. Ranks
+build their models from *different* seeds, so the broadcast at construction is tested too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labs import RankError, launch
+from labs.collectives import Recorder
+from labs.fsdp import FSDP, ShardedState
+from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
+
+VOCAB, DIM, BATCH, STEPS = 11, 6, 8, 3
+
+
+class TiedNet(nn.Module):
+    """An embedding tied to the output layer, a frozen layer, a buffer; sizes that do not
+    divide by 4 (hidden.bias has 6 elements, the embedding 66)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((DIM,), 1.0 + seed))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * self.scale
+        return self.head(self.frozen(torch.tanh(self.hidden(x))))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(123))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.05}),
+}
+
+
+def reference(optimizer: str) -> list[dict[str, torch.Tensor]]:
+    model = TiedNet(0)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    x, y = batch()
+    states = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+#: (strategy, FSDP compute dtype)
+STRATEGIES = ["zero1", "zero2", "fsdp"]
+
+
+def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    x, y = batch()
+    per = BATCH // world_size
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    out = {}
+    for optimizer, (cls, kwargs) in OPTIMIZERS.items():
+        for strategy in STRATEGIES:
+            net = TiedNet(seed=rank)
+            if strategy == "fsdp":
+                model = FSDP(net)
+                opt = cls(model.parameters(), **kwargs)
+            else:
+                with torch.no_grad():  # buffers: the optimizer only broadcasts parameters
+                    for b in net.buffers():
+                        dist.broadcast(b, src=0)
+                model = net
+                stage = ZeroStage.OPTIMIZER if strategy == "zero1" else ZeroStage.GRADIENTS
+                opt = ShardedOptimizer(net.named_parameters(), cls, stage=stage, **kwargs)
+            states = []
+            for _ in range(STEPS):
+                opt.zero_grad()
+                loss_of(model, x, y).backward()
+                if strategy == "fsdp":
+                    model.finish_gradient_synchronization()
+                opt.step()
+                states.append(model.gather_full_params() if strategy == "fsdp" else
+                              {k: v.clone() for k, v in net.state_dict().items()})
+            out[f"{optimizer}-{strategy}"] = states
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_stage_matches_one_process_on_the_full_batch(world_size):
+    results = launch(parity_worker, world_size, echo=False)
+    expected = {name: reference(name) for name in OPTIMIZERS}
+    for rank, per_rank in enumerate(results):
+        assert len(per_rank) == len(OPTIMIZERS) * len(STRATEGIES)
+        for key, states in per_rank.items():
+            for step, (got, want) in enumerate(zip(states, expected[key.split("-")[0]],
+                                                   strict=True)):
+                assert set(got) == set(want), key  # tied names and the buffer included
+                for name in want:
+                    torch.testing.assert_close(
+                        got[name], want[name],
+                        msg=lambda m, k=key, s=step, n=name, r=rank: f"{k} rank {r} step {s} "
+                        f"{n}: {m}")
+
+
+# --- what each rank holds --------------------------------------------------------------------
+
+
+def holdings_worker(rank: int, world_size: int) -> dict[str, object]:
+    x, y = batch()
+    net = TiedNet(0)
+    opt = ShardedOptimizer(net.named_parameters(), torch.optim.Adam, stage=ZeroStage.GRADIENTS,
+                           lr=0.01)
+    loss_of(net, x, y).backward()
+    grads_after_backward = {n: p.grad is not None for n, p in net.named_parameters()}
+    shard_grads = [s.shard.grad.numel() for s in opt.sharded]
+    opt.step()
+    model = FSDP(TiedNet(0))
+    sharded_storage = [u.full.untyped_storage().nbytes() for u in model.units]
+    loss_of(model, x, y).backward()
+    model.finish_gradient_synchronization()
+    return {"grads": grads_after_backward, "shard_grads": shard_grads,
+            "shards": [s.shard.numel() for s in opt.sharded],
+            "state_bytes": opt.state_bytes(),
+            "fsdp_units": [u.name for u in model.units],
+            "fsdp_shards": [u.shard.numel() for u in model.units],
+            "fsdp_storage": sharded_storage,
+            "fsdp_after": [u.full.untyped_storage().nbytes() for u in model.units],
+            "fsdp_states": [u.state for u in model.units],
+            "fsdp_params": [n for n, _ in model.named_parameters()]}
+
+
+def test_ranks_hold_shards_of_a_quarter_and_free_what_they_gathered():
+    results = launch(holdings_worker, 4, echo=False)
+    numels = [66, 36, 6]  # embed (= head), hidden.weight, hidden.bias
+    for r in results:
+        # ZeRO-2: no full gradient survives backward; every shard is ceil(numel / 4)
+        assert not any(r["grads"][n] for n in ("embed.weight", "hidden.weight", "hidden.bias"))
+        assert r["shards"] == r["shard_grads"] == [shard_numel(n, 4) for n in numels]
+        # Adam: m and v for each shard element, and a float32 step count per shard
+        assert r["state_bytes"] == 2 * 4 * sum(shard_numel(n, 4) for n in numels) + 3 * 4
+        # FSDP: hidden is a unit; the tied embedding/head and the rest form the root
+        assert r["fsdp_units"] == ["hidden", "root"]
+        assert r["fsdp_shards"] == [shard_numel(42, 4), shard_numel(66, 4)]
+        assert r["fsdp_storage"] == r["fsdp_after"] == [0, 0]
+        assert r["fsdp_states"] == [ShardedState.SHARDED] * 2
+        assert r["fsdp_params"] == ["module.frozen.weight", "module.frozen.bias", "shards.0",
+                                    "shards.1"]  # the optimizer's: frozen ones, then shards
+
+
+# --- events, traffic, mixed precision --------------------------------------------------------
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean(dim=1)
+
+
+def events_worker(rank: int, world_size: int) -> dict[str, object]:
+    events: list[tuple[str, str]] = []
+    recorder = Recorder()
+    net = Deep()
+    model = FSDP(net, units=list(net.layers), recorder=recorder,
+                 observer=lambda e, name: events.append((e.name, name)))
+    model(torch.ones(2, 10)).sum().backward()
+    model.finish_gradient_synchronization()
+    return {"events": list(events), "sent": recorder.stats.bytes_sent,
+            "padded": sum(u.padded_numel for u in model.units) * 4}
+
+
+def test_fsdp_gathers_before_and_frees_after_each_unit_and_moves_three_halves_of_ddp():
+    results = launch(events_worker, 2, echo=False)
+    names = ["layers.0", "layers.1", "layers.2"]
+    forward = [(e, n) for n in names for e in ("UNSHARD_FORWARD", "RESHARD_FORWARD")]
+    backward = [(e, n) for n in reversed(names)
+                for e in ("UNSHARD_BACKWARD", "REDUCE_SCATTER", "RESHARD_BACKWARD")]
+    for r in results:
+        assert r["events"] == forward + backward
+        # all-gather in forward and in backward, reduce-scatter: 3 (N-1)/N S = 1.5 S at N = 2
+        assert r["sent"] == 3 * r["padded"] // 2
+
+
+def mixed_worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.dtype]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = FSDP(net, torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        opt.zero_grad()
+        out = model(x)
+        out.float().square().mean().backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    return model.gather_full_params()["0.weight"], out.dtype
+
+
+def test_bfloat16_compute_keeps_fp32_shards_and_stays_close_to_fp32():
+    results = launch(mixed_worker, 2, echo=False)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.cat([torch.randn(8, 16, generator=torch.Generator().manual_seed(r))
+                   for r in range(2)])
+    for _ in range(3):
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+    for weight, dtype in results:
+        assert dtype == torch.bfloat16 and weight.dtype == torch.float32
+        torch.testing.assert_close(weight, net[0].weight.detach(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(results[0][0], net[0].weight.detach())  # bf16 did round
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.unused(x)  # runs, but its output is thrown away
+        return self.used(x)
+
+
+def unused_unit(rank: int, world_size: int) -> None:
+    model = FSDP(Branchy())
+    model(torch.ones(1, 4)).sum().backward()
+    model.finish_gradient_synchronization()
+
+
+def test_a_unit_without_gradient_is_an_error_naming_it():
+    with pytest.raises(RankError, match=r"FSDP: unit\(s\) \['unused'\] ran forward"):
+        launch(unused_unit, 2, echo=False, timeout=30)
+
+
+def eval_worker(rank: int, world_size: int) -> list[ShardedState]:
+    model = FSDP(Deep())
+    with torch.no_grad():
+        model(torch.ones(1, 10))
+    model.finish_gradient_synchronization()  # nothing pending after a no-grad forward
+    return [u.state for u in model.units]
+
+
+def test_a_no_grad_forward_leaves_nothing_pending_and_everything_sharded():
+    assert launch(eval_worker, 2, echo=False) == [[ShardedState.SHARDED]] * 2
