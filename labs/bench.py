@@ -6,6 +6,7 @@
         [--warmup 1] [--dtype float32] [--segment-bytes 1M] [--window 4]
         [--out _build/bench/collectives.csv] [--plot PATH.png]
     python -m labs.bench ddp [--world-size 2] [--bucket-cap-mb 25] [--launches 3] (see --help)
+    python -m labs.bench fsdp [--memory-world-size 4] [--time-world-size 2] (see --help)
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a
 fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from labs.bench_ddp import add_ddp_parser, ddp_main
+from labs.bench_fsdp import add_fsdp_parser, fsdp_main
 from labs.collectives import (
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_WINDOW,
@@ -1117,11 +1119,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                      choices=[m.value for m in StartMethod])
     _add_collectives_parser(sub)
     add_ddp_parser(sub)
+    add_fsdp_parser(sub)
     opts = parser.parse_args(argv)
     if opts.bench == "launch":
         print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
     elif opts.bench == "ddp":
         ddp_main(opts, sub.choices["ddp"])
+    elif opts.bench == "fsdp":
+        fsdp_main(opts, sub.choices["fsdp"])
     else:
         _collectives_main(opts, sub.choices["collectives"])
 

@@ -16,7 +16,7 @@ import contextlib
 import enum
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,22 @@ class Implementation(enum.Enum):
     """:class:`labs.ddp.DDP`: flat buckets, async all-reduces during backward."""
     TORCH = "torch DDP"
     """``torch.nn.parallel.DistributedDataParallel`` (C++ reducer, same bucket cap)."""
+    FSDP = "FSDP"
+    """:class:`labs.fsdp.FSDP` (chapter 6): one unit per Linear layer, Adam on the shards."""
+
+
+class Optimizer(enum.Enum):
+    """The optimizer of a step-time experiment."""
+
+    SGD = "SGD"
+    """Plain SGD (no state): the step is cheap, communication stands out."""
+    ADAM = "Adam"
+    """Adam: 8 bytes of state per parameter, and a heavier step (ZeRO shards it)."""
+
+    def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        if self is Optimizer.ADAM:
+            return torch.optim.Adam(params, lr=1e-4)
+        return torch.optim.SGD(params, lr=1e-3)
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class StepSettings:
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     accumulation: int = 1
     """Micro-batches per optimizer step (the accumulation experiment)."""
+    optimizer: Optimizer = Optimizer.SGD
 
     def __post_init__(self) -> None:
         for name in ("width", "layers", "batch", "steps", "accumulation"):
@@ -99,6 +116,10 @@ def wrap(implementation: Implementation, model: nn.Module, bucket_cap_mb: float)
     if implementation is Implementation.TORCH:
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+    if implementation is Implementation.FSDP:
+        from labs.fsdp import FSDP  # chapter 6 (imports this module's neighbours)
+
+        return FSDP(model)
     return model
 
 
@@ -153,7 +174,7 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
     iteration; a barrier before each step so every rank starts it together."""
     device = rank_device()
     models = [wrap(c.implementation, mlp(settings), c.bucket_cap_mb) for c in cases]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in models]
+    optimizers = [settings.optimizer.build(m.parameters()) for m in models]
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
     seconds: list[list[float]] = [[] for _ in cases]
@@ -187,6 +208,8 @@ def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sy
 
 
 def _bucket_count(case: Case, settings: StepSettings) -> int:
+    if case.implementation is Implementation.FSDP:
+        return 0  # all-gathers and reduce-scatters, no all-reduce
     if case.implementation is Implementation.NAIVE:
         return 2 * settings.layers  # one all-reduce per parameter
     if case.implementation is Implementation.LOCAL:
@@ -220,9 +243,14 @@ def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[
             for case, s, b in zip(cases, slowest, buckets, strict=True)]
 
 
+#: Chapter 5's four ways to synchronise gradients (FSDP is chapter 6's).
+DDP_IMPLEMENTATIONS = (Implementation.LOCAL, Implementation.NAIVE, Implementation.OURS,
+                       Implementation.TORCH)
+
+
 def default_cases(bucket_cap_mb: float) -> list[Case]:
-    """The four implementations, the bucketed two at ``bucket_cap_mb``."""
-    return [Case(i, bucket_cap_mb) for i in Implementation]
+    """Chapter 5's four implementations, the bucketed two at ``bucket_cap_mb``."""
+    return [Case(i, bucket_cap_mb) for i in DDP_IMPLEMENTATIONS]
 
 
 def bucket_sweep_cases(caps_mb: Sequence[float]) -> list[Case]:

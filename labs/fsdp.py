@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs.collectives import Recorder, ring_all_gather, ring_reduce_scatter
+from labs.collectives import Algorithm, Recorder, ring_all_gather, ring_reduce_scatter
 from labs.zero import shard_numel
 
 
@@ -47,6 +47,8 @@ class ShardedState(enum.Enum):
 
     SHARDED = "sharded"
     """Only this rank's shard is held; the full vector's storage is empty."""
+    GATHERING = "gathering"
+    """A prefetch: the all-gather into the full vector is in flight (torch collectives)."""
     UNSHARDED = "unsharded"
     """The full vector is gathered and the unit's parameters are views of it."""
 
@@ -91,6 +93,10 @@ class FlatUnit:
     state: ShardedState = ShardedState.SHARDED
     backward_pending: bool = False
     hooks: list[Any] = field(default_factory=list)
+    gather: Any = None
+    """The in-flight all-gather's ``dist.Work`` while GATHERING."""
+    reduce: Any = None
+    """(work, output, full gradient) of an in-flight reduce-scatter (torch collectives)."""
 
     @property
     def padded_numel(self) -> int:
@@ -121,6 +127,23 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
+                     ) -> Any:
+    """torch.distributed's all-gather of equal shards into ``out``, asynchronously."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, shard, group=group, async_op=True)
+
+
+def _reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
+                         group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor, Any]:
+    """Start torch.distributed's reduce-scatter (SUM) of ``full_grad`` (1-D, N x shard);
+    return (work, output shard, the input, which must live until the work is done)."""
+    out = torch.empty(full_grad.numel() // world_size, dtype=full_grad.dtype,
+                      device=full_grad.device)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, full_grad, group=group, async_op=True), out, full_grad
+
+
 def default_units(module: nn.Module) -> list[nn.Module]:
     """Every direct child with trainable parameters: the layers of a Sequential, the blocks
     of a transformer if they are its children."""
@@ -147,16 +170,31 @@ class FSDP(nn.Module):
             default is :func:`default_units`. Parameters outside them form the root unit.
         observer: called with an :class:`Event` and the unit's name at every gather, free
             and reduce-scatter (the memory timeline of chapter 6 snapshots there).
-        recorder: counts the bytes this rank sends.
+        collectives: ``Algorithm.TORCH`` (default): torch.distributed's all-gather and
+            reduce-scatter, asynchronous: the next unit's all-gather is started while this one
+            computes (prefetch, in the order of the last step's forward, reversed for
+            backward), and a unit's reduce-scatter travels while the next unit computes its
+            gradient. ``Algorithm.RING``: chapters 3 and 4's ring, one collective at a time,
+            every byte counted by ``recorder``.
+        recorder: counts the bytes this rank sends (with ``Algorithm.RING``).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  units: Sequence[nn.Module] | None = None,
+                 collectives: Algorithm = Algorithm.TORCH,
                  process_group: dist.ProcessGroup | None = None,
                  observer: Callable[[Event, str], None] | None = None,
                  recorder: Recorder | None = None) -> None:
         super().__init__()
+        if collectives not in (Algorithm.TORCH, Algorithm.RING):
+            raise ValueError(f"collectives must be Algorithm.TORCH (torch.distributed's, "
+                             f"asynchronous, with prefetching) or Algorithm.RING (chapters 3 "
+                             f"and 4's, counted by a Recorder); got {collectives!r}.")
+        if recorder is not None and collectives is not Algorithm.RING:
+            raise ValueError("a Recorder counts the ring's messages: pass "
+                             "collectives=Algorithm.RING with it.")
         self.module = module
+        self.collectives = collectives
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -170,6 +208,12 @@ class FSDP(nn.Module):
         chosen = list(units) if units is not None else default_units(module)
         self.units = self._build_units(module, chosen)
         self.shards = nn.ParameterList([u.shard for u in self.units])
+        #: The units in the order their forward and their backward ran in the last step:
+        #: prefetching follows them.
+        self.forward_order: list[FlatUnit] = []
+        self.backward_order: list[FlatUnit] = []
+        self._seen_forward: list[FlatUnit] = []
+        self._seen_backward: list[FlatUnit] = []
         for unit in self.units:
             unit.hooks.append(unit.full.register_post_accumulate_grad_hook(
                 lambda _full, u=unit: self._post_backward(u)))
@@ -239,32 +283,54 @@ class FSDP(nn.Module):
         if self.observer is not None:
             self.observer(event, unit.name)
 
-    def unshard(self, unit: FlatUnit) -> None:
-        """All-gather the unit's shards into its full vector and point its parameters at it."""
-        if unit.state is ShardedState.UNSHARDED:
-            return
-        full = unit.full
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        shard = unit.shard.detach().to(full.dtype)
-        # Into .data: the version counter autograd checks is not bumped, so the views it
-        # saved in forward are valid in backward once the storage is filled again.
-        ring_all_gather(shard, group=self.group, recorder=self.recorder, out=full.data)
-        for places, view in unit.views():
-            for place in places:
-                setattr(place.module, place.attr, view)
-        unit.state = ShardedState.UNSHARDED
+    def unshard(self, unit: FlatUnit, *, prefetch: bool = False) -> None:
+        """All-gather the unit's shards into its full vector and point its parameters at it.
+        With ``prefetch`` (torch collectives only) the all-gather is started and left in
+        flight (GATHERING); the next ``unshard`` of the unit waits for it."""
+        if unit.state is ShardedState.SHARDED:
+            full = unit.full
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            shard = unit.shard.detach().to(full.dtype)
+            # Into .data: the version counter autograd checks is not bumped, so the views it
+            # saved in forward are valid in backward once the storage is filled again.
+            if self.collectives is Algorithm.RING:
+                ring_all_gather(shard, group=self.group, recorder=self.recorder, out=full.data)
+            else:
+                unit.gather = _all_gather_into(full.data, shard, self.group)
+            unit.state = ShardedState.GATHERING
+        if unit.state is ShardedState.GATHERING and not prefetch:
+            if unit.gather is not None:
+                unit.gather.wait()
+                unit.gather = None
+            for places, view in unit.views():
+                for place in places:
+                    setattr(place.module, place.attr, view)
+            unit.state = ShardedState.UNSHARDED
 
     def reshard(self, unit: FlatUnit) -> None:
         """Free the unit's full vector (its storage becomes empty; the shard stays)."""
-        if unit.state is ShardedState.SHARDED:
+        if unit.state is ShardedState.GATHERING:
+            self.unshard(unit)  # a prefetch nobody used: let it land before freeing
+        if unit.state is ShardedState.UNSHARDED:
+            unit.full.untyped_storage().resize_(0)
+            unit.state = ShardedState.SHARDED
+
+    def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
+        """Start gathering the unit that ``order`` runs after ``unit``, so that its all-gather
+        travels while ``unit`` computes (torch collectives only)."""
+        if self.collectives is not Algorithm.TORCH or unit not in order:
             return
-        unit.full.untyped_storage().resize_(0)
-        unit.state = ShardedState.SHARDED
+        position = order.index(unit)
+        if position + 1 < len(order) and order[position + 1].state is ShardedState.SHARDED:
+            self.unshard(order[position + 1], prefetch=True)
 
     def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> None:
         del args
         self.unshard(unit)
         self._notify(Event.UNSHARD_FORWARD, unit)
+        if torch.is_grad_enabled():
+            self._seen_forward.append(unit)
+        self._prefetch_after(unit, self.forward_order)
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
         self.reshard(unit)
@@ -277,26 +343,46 @@ class FSDP(nn.Module):
                 tensor.register_hook(lambda grad, u=unit: self._pre_backward(u, grad))
 
     def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> torch.Tensor:
-        if unit.backward_pending and unit.state is ShardedState.SHARDED:
+        if unit.backward_pending and unit.state is not ShardedState.UNSHARDED:
             self.unshard(unit)
             self._notify(Event.UNSHARD_BACKWARD, unit)
+            self._seen_backward.append(unit)
+            self._prefetch_after(unit, self.backward_order)
         return grad
 
     def _post_backward(self, unit: FlatUnit) -> None:
-        """The full vector's gradient is complete: reduce-scatter it into the shard's grad."""
+        """The full vector's gradient is complete: reduce-scatter it into the shard's grad
+        (asynchronously with torch collectives: it lands at the next unit's post-backward or
+        at :meth:`finish_gradient_synchronization`, whichever comes first)."""
         full_grad = unit.full.grad
         assert full_grad is not None
-        self._notify(Event.REDUCE_SCATTER, unit)
-        mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
-        mine = mine.to(torch.float32) / self.world_size  # 1-D, shard numel
+        self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
+        unit.full.grad = None
+        if self.collectives is Algorithm.RING:
+            mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
+            self._add_grad(unit, mine)
+        else:
+            for other in self.units:  # one reduce-scatter in flight: bounded memory
+                self._land_reduce(other)
+            unit.reduce = _reduce_scatter_from(full_grad, self.world_size, self.group)
+        unit.backward_pending = False
+        self.reshard(unit)
+        self._notify(Event.RESHARD_BACKWARD, unit)
+
+    def _land_reduce(self, unit: FlatUnit) -> None:
+        if unit.reduce is not None:
+            work, out, _full_grad = unit.reduce  # the input stays alive until it has landed
+            work.wait()
+            unit.reduce = None
+            self._add_grad(unit, out)
+
+    def _add_grad(self, unit: FlatUnit, summed: torch.Tensor) -> None:
+        """Add shard r of the sum over ranks, divided by N, to the shard's fp32 gradient."""
+        mine = summed.to(torch.float32) / self.world_size  # 1-D, shard numel
         if unit.shard.grad is None:
             unit.shard.grad = mine
         else:
             unit.shard.grad += mine
-        unit.full.grad = None
-        unit.backward_pending = False
-        self.reshard(unit)
-        self._notify(Event.RESHARD_BACKWARD, unit)
 
     # -- the public surface --
 
@@ -317,7 +403,11 @@ class FSDP(nn.Module):
                 "their reduce-scatter never ran and the other ranks may wait for it. Use "
                 "every unit's parameters in the loss, or freeze them (requires_grad=False).")
         for unit in self.units:
+            self._land_reduce(unit)
             self.reshard(unit)
+        if self._seen_forward:
+            self.forward_order, self._seen_forward = self._seen_forward, []
+            self.backward_order, self._seen_backward = self._seen_backward, []
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """The model's full state dict on every rank (fp32 parameters all-gathered from the

@@ -103,7 +103,8 @@ class ShardedOptimizer:
     ``zero_grad()`` clears the full gradients and the shard gradients.
 
     Memory per rank, for P trainable parameters (measured in chapter 6): the parameters (4P
-    bytes in fp32), the gradients (4P at stage 1, about 4P/N plus one parameter's gradient in
+    bytes in fp32), the gradients (4P from backward until the step at stage 1, which frees each
+    full gradient once it is reduce-scattered; about 4P/N plus one parameter's gradient in
     flight at stage 2), and the optimizer state of P/N parameters (8P/N for Adam).
     """
 
@@ -111,8 +112,12 @@ class ShardedOptimizer:
                  optimizer_cls: Callable[..., torch.optim.Optimizer], *,
                  stage: ZeroStage = ZeroStage.OPTIMIZER,
                  process_group: dist.ProcessGroup | None = None,
-                 recorder: Recorder | None = None, **kwargs: Any) -> None:
+                 recorder: Recorder | None = None,
+                 observer: Callable[[str], None] | None = None, **kwargs: Any) -> None:
+        """``observer`` (stage 2) is called with ``"reduce-scatter <name>"`` as each gradient is
+        about to be reduce-scattered: chapter 6's memory timeline snapshots there."""
         self.group = process_group
+        self.observer = observer
         self.stage = stage
         self.recorder = recorder
         self.rank = dist.get_rank(process_group)
@@ -142,6 +147,8 @@ class ShardedOptimizer:
         """Reduce-scatter a full gradient the moment it is complete, keep this rank's shard
         of the sum (added to what earlier backward passes left), free the full gradient."""
         sharded = self._by_param[id(param)]
+        if self.observer is not None:  # the full gradient is still there to see
+            self.observer(f"reduce-scatter {sharded.name}")
         summed = self._reduce_scatter(sharded, param.grad)
         if sharded.shard.grad is None:
             sharded.shard.grad = summed
@@ -161,6 +168,7 @@ class ShardedOptimizer:
         for sharded in self.sharded:
             if self.stage is ZeroStage.OPTIMIZER and sharded.param.grad is not None:
                 sharded.shard.grad = self._reduce_scatter(sharded, sharded.param.grad)
+                sharded.param.grad = None  # reduce-scattered: the shard is all the step needs
             if sharded.shard.grad is not None:
                 sharded.shard.grad /= self.world_size  # the sum over ranks -> the mean
         self.optimizer.step()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labs import RankError, launch
-from labs.collectives import Recorder
+from labs.collectives import Algorithm, Recorder
 from labs.fsdp import FSDP, ShardedState
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 
@@ -71,7 +71,7 @@ def reference(optimizer: str) -> list[dict[str, torch.Tensor]]:
 
 
 #: (strategy, FSDP compute dtype)
-STRATEGIES = ["zero1", "zero2", "fsdp"]
+STRATEGIES = ["zero1", "zero2", "fsdp", "fsdp-ring"]
 
 
 def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
@@ -82,8 +82,9 @@ def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.
     for optimizer, (cls, kwargs) in OPTIMIZERS.items():
         for strategy in STRATEGIES:
             net = TiedNet(seed=rank)
-            if strategy == "fsdp":
-                model = FSDP(net)
+            if strategy.startswith("fsdp"):
+                ring = strategy == "fsdp-ring"
+                model = FSDP(net, collectives=Algorithm.RING if ring else Algorithm.TORCH)
                 opt = cls(model.parameters(), **kwargs)
             else:
                 with torch.no_grad():  # buffers: the optimizer only broadcasts parameters
@@ -96,10 +97,10 @@ def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.
             for _ in range(STEPS):
                 opt.zero_grad()
                 loss_of(model, x, y).backward()
-                if strategy == "fsdp":
+                if strategy.startswith("fsdp"):
                     model.finish_gradient_synchronization()
                 opt.step()
-                states.append(model.gather_full_params() if strategy == "fsdp" else
+                states.append(model.gather_full_params() if strategy.startswith("fsdp") else
                               {k: v.clone() for k, v in net.state_dict().items()})
             out[f"{optimizer}-{strategy}"] = states
     return out
@@ -184,7 +185,7 @@ def events_worker(rank: int, world_size: int) -> dict[str, object]:
     events: list[tuple[str, str]] = []
     recorder = Recorder()
     net = Deep()
-    model = FSDP(net, units=list(net.layers), recorder=recorder,
+    model = FSDP(net, units=list(net.layers), collectives=Algorithm.RING, recorder=recorder,
                  observer=lambda e, name: events.append((e.name, name)))
     model(torch.ones(2, 10)).sum().backward()
     model.finish_gradient_synchronization()
@@ -202,6 +203,33 @@ def test_fsdp_gathers_before_and_frees_after_each_unit_and_moves_three_halves_of
         assert r["events"] == forward + backward
         # all-gather in forward and in backward, reduce-scatter: 3 (N-1)/N S = 1.5 S at N = 2
         assert r["sent"] == 3 * r["padded"] // 2
+
+
+def prefetch_worker(rank: int, world_size: int) -> list[list[list[str]]]:
+    """The other units' states each time a unit's forward starts, in two steps."""
+    net = Deep()
+    seen: list[list[str]] = []
+    model = FSDP(net, units=list(net.layers))
+    for unit in model.units:
+        unit.module.register_forward_pre_hook(
+            lambda *_: seen.append([u.state.value for u in model.units]))
+    steps = []
+    for _ in range(2):
+        seen.clear()
+        model(torch.ones(2, 10)).sum().backward()
+        model.finish_gradient_synchronization()
+        steps.append(list(seen))
+    return steps
+
+
+def test_from_the_second_step_the_next_unit_is_gathered_while_this_one_computes():
+    first, second = launch(prefetch_worker, 2, echo=False)[0]
+    # the probe runs after FSDP's own pre-forward hook: the unit itself is unsharded
+    assert first == [["unsharded", "sharded", "sharded"], ["sharded", "unsharded", "sharded"],
+                     ["sharded", "sharded", "unsharded"]]
+    assert second == [["unsharded", "gathering", "sharded"],
+                      ["sharded", "unsharded", "gathering"],
+                      ["sharded", "sharded", "unsharded"]]
 
 
 def mixed_worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.dtype]:

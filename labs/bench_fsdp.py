@@ -1,0 +1,71 @@
+"""``python -m labs.bench fsdp``: per-rank memory and step time of FSDP beside DDP.
+
+    python -m labs.bench fsdp [--width 512] [--layers 40] [--memory-world-size 4]
+        [--time-world-size 2] [--batches 64 256] [--steps 8]
+
+Memory: the most bytes of parameters, gradients and Adam state that rank 0 held at any moment
+of one step (every gather, free and reduce-scatter of FSDP is a snapshot; labs.memory counts
+the tensors' storages), for DDP (labs.ddp.DDP, its gradient buckets shown apart) and FSDP
+(labs.fsdp.FSDP, one unit per Linear layer). Step time: the median over steps of the slowest
+rank's Adam step, DDP and FSDP alternating in one launch, at each batch size. The defaults
+give 10.5 M parameters in 40 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from labs.ddp_experiments import Case, Implementation, Optimizer, StepSettings, measure_step_times
+from labs.launch import launch
+from labs.zero_experiments import Group, Strategy, memory_worker
+
+
+def add_fsdp_parser(sub: Any) -> None:
+    p = sub.add_parser("fsdp", help="per-rank memory and step time: FSDP beside DDP",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--memory-world-size", type=int, default=4)
+    p.add_argument("--time-world-size", type=int, default=2)
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256],
+                   help="samples per rank per step; one timing per batch size")
+    p.add_argument("--steps", type=int, default=8)
+
+
+def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from labs.viz import format_table  # matplotlib: not in the ranks
+
+    try:
+        settings = StepSettings(width=opts.width, layers=opts.layers, batch=opts.batches[0],
+                                steps=2, warmup=0)
+    except ValueError as err:
+        parser.error(str(err))
+    mib = 2**20
+    reports = {s: launch(memory_worker, opts.memory_world_size, args=(settings, s),
+                         echo=False, timeout=600)[0] for s in (Strategy.DDP, Strategy.ZERO3)}
+    ddp, fsdp = reports[Strategy.DDP], reports[Strategy.ZERO3]
+    with_buckets = ddp.bytes(ddp.peak, tuple(Group))
+    print(f"{settings.parameters / 1e6:.1f} M parameters ({settings.layers} x Linear("
+          f"{settings.width}, {settings.width})), Adam, fp32; memory at world size "
+          f"{opts.memory_world_size}, rank 0")
+    rows = [[s.value, f"{r.peak_bytes / mib:.1f}", r.peak.moment,
+             f"{r.peak_bytes / settings.parameters:.2f}"] for s, r in reports.items()]
+    print(format_table(["strategy", "peak MiB (params + grads + Adam)", "at",
+                        "bytes / parameter"], rows))
+    print(f"FSDP / DDP: {fsdp.peak_bytes / ddp.peak_bytes:.3f} (1/N = "
+          f"{1 / opts.memory_world_size:.3f}); with DDP's gradient buckets counted "
+          f"({with_buckets / mib:.1f} MiB): {fsdp.peak_bytes / with_buckets:.3f}\n")
+    rows = []
+    for batch in opts.batches:
+        timed = StepSettings(width=opts.width, layers=opts.layers, batch=batch,
+                             steps=opts.steps, warmup=2, optimizer=Optimizer.ADAM)
+        ddp_row, fsdp_row = measure_step_times(
+            opts.time_world_size, timed, [Case(Implementation.OURS, timed.bucket_cap_mb),
+                                          Case(Implementation.FSDP, timed.bucket_cap_mb)],
+            timeout=600)
+        rows.append([batch, f"{ddp_row.seconds * 1e3:.1f}", f"{fsdp_row.seconds * 1e3:.1f}",
+                     f"{fsdp_row.seconds / ddp_row.seconds:.2f}x"])
+    print(f"step time at world size {opts.time_world_size} (Adam, median of {opts.steps} "
+          "steps, slowest rank)")
+    print(format_table(["batch per rank", "DDP ms", "FSDP ms", "FSDP / DDP"], rows))

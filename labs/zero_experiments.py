@@ -1,0 +1,295 @@
+"""Chapter 6's measurements on real ranks: what each rank holds under DDP, ZeRO-1, ZeRO-2 and
+FSDP (bytes of the tensors it holds, at every moment of a step), the bytes each rank sends,
+and the memory arithmetic (bytes per parameter) they are compared with.
+
+Every ``*_worker`` runs inside a rank; ranks import this module, so it imports no plotting.
+The model is chapter 5's MLP (:class:`labs.ddp_experiments.StepSettings`), trained with Adam.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from labs.collectives import Algorithm, Recorder, ring_all_reduce
+from labs.ddp import DDP
+from labs.ddp_experiments import StepSettings, mlp
+from labs.fsdp import FSDP, Event
+from labs.launch import launch, rank_device
+from labs.memory import MemorySnapshot, MemoryTimeline
+from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
+
+
+class Strategy(enum.Enum):
+    """How the ranks share the training state (the ZeRO stage)."""
+
+    DDP = "DDP"
+    """Stage 0: everything replicated (labs.ddp.DDP)."""
+    ZERO1 = "ZeRO-1"
+    """Optimizer state sharded (labs.zero.ShardedOptimizer)."""
+    ZERO2 = "ZeRO-2"
+    """Optimizer state and gradients sharded."""
+    ZERO3 = "FSDP (ZeRO-3)"
+    """Everything sharded, parameters gathered per unit (labs.fsdp.FSDP)."""
+
+    @property
+    def stage(self) -> int:
+        return list(Strategy).index(self)
+
+
+class Group(enum.Enum):
+    """The groups a rank's bytes are counted in."""
+
+    PARAMETERS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer state"
+    BUCKETS = "DDP gradient buckets"
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One rank's snapshots of one training step (the last of ``settings.steps``)."""
+
+    strategy: Strategy
+    world_size: int
+    parameters: int
+    """Trainable parameters of the model (P)."""
+    snapshots: tuple[MemorySnapshot, ...]
+
+    def bytes(self, snapshot: MemorySnapshot, groups: Sequence[Group] = (
+            Group.PARAMETERS, Group.GRADIENTS, Group.OPTIMIZER)) -> int:
+        by_group = snapshot.bytes_by_group()
+        return sum(by_group.get(g.value, 0) for g in groups)
+
+    @property
+    def peak(self) -> MemorySnapshot:
+        """The snapshot where parameters + gradients + optimizer state were largest."""
+        return max(self.snapshots, key=self.bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.bytes(self.peak)
+
+    @property
+    def final(self) -> MemorySnapshot:
+        return self.snapshots[-1]
+
+
+def _build(strategy: Strategy, settings: StepSettings, lr: float = 1e-3,
+           observer: object = None) -> tuple[nn.Module, object]:
+    """(model, optimizer) for ``strategy``; ``observer`` is handed to FSDP or ZeRO-2."""
+    net = mlp(settings).to(rank_device())
+    if strategy is Strategy.DDP:
+        model = DDP(net, bucket_cap_mb=settings.bucket_cap_mb)
+        return model, torch.optim.Adam(model.parameters(), lr=lr)
+    if strategy is Strategy.ZERO3:
+        model = FSDP(net, observer=observer)  # type: ignore[arg-type]
+        return model, torch.optim.Adam(model.parameters(), lr=lr)
+    stage = ZeroStage.OPTIMIZER if strategy is Strategy.ZERO1 else ZeroStage.GRADIENTS
+    optimizer = ShardedOptimizer(net.named_parameters(), torch.optim.Adam, stage=stage, lr=lr,
+                                 observer=observer)  # type: ignore[arg-type]
+    return net, optimizer
+
+
+def holdings(strategy: Strategy, model: nn.Module, optimizer: object) -> dict[str, object]:
+    """What a rank holds, by :class:`Group`, for :class:`~labs.memory.MemoryTimeline`.
+
+    Parameters are registered detached (the same storage, without ``.grad``), so that the
+    gradients can be counted in their own group."""
+    if strategy is Strategy.ZERO3:
+        assert isinstance(model, FSDP)
+        params = [u.shard.detach() for u in model.units] + [u.full.detach() for u in model.units]
+        params += [p.detach() for p in model.module.parameters()]  # frozen ones stay whole
+        grads = [u.shard.grad for u in model.units] + [u.full.grad for u in model.units]
+        state = optimizer
+    elif strategy is Strategy.DDP:
+        assert isinstance(model, DDP)
+        params = [p.detach() for p in model.module.parameters()]
+        grads = [p.grad for p in model.module.parameters()]
+        state = optimizer
+    else:
+        assert isinstance(optimizer, ShardedOptimizer)
+        params = [s.padded for s in optimizer.sharded]  # the parameters live in these
+        grads = [s.param.grad for s in optimizer.sharded] + [s.shard.grad
+                                                              for s in optimizer.sharded]
+        state = optimizer.optimizer
+    out: dict[str, object] = {Group.PARAMETERS.value: params,
+                              Group.GRADIENTS.value: [g for g in grads if g is not None],
+                              Group.OPTIMIZER.value: state}
+    if strategy is Strategy.DDP:
+        out[Group.BUCKETS.value] = [b.buffer for b in model.buckets]  # type: ignore[union-attr]
+    return out
+
+
+def memory_worker(rank: int, world_size: int, settings: StepSettings,
+                  strategy: Strategy) -> MemoryReport:
+    """Train ``settings.steps`` Adam steps; snapshot the last one at every moment the
+    strategy exposes: after forward, at each gather/free/reduce-scatter (FSDP) or each
+    gradient's reduce-scatter (ZeRO-2), after backward, after the optimizer step."""
+    timeline = MemoryTimeline(rank)
+    recording = [False]
+    box: list[object] = []
+
+    def observe(event: object, unit: str = "") -> None:
+        if recording[0]:
+            label = f"{event.value} {unit}" if isinstance(event, Event) else str(event)
+            timeline.record(label, **holdings(strategy, *box))  # type: ignore[arg-type]
+
+    model, optimizer = _build(strategy, settings, observer=observe)
+    box += [model, optimizer]
+    x = torch.randn(settings.batch, settings.width,
+                    generator=torch.Generator().manual_seed(rank)).to(rank_device())
+    for step in range(settings.steps):
+        recording[0] = step == settings.steps - 1
+        optimizer.zero_grad()  # type: ignore[attr-defined]
+        if recording[0]:
+            timeline.record("start of step", **holdings(strategy, model, optimizer))
+        loss = model(x).square().mean()
+        if recording[0] and strategy is not Strategy.ZERO3:
+            timeline.record("after forward", **holdings(strategy, model, optimizer))
+        loss.backward()
+        if isinstance(model, (DDP, FSDP)):
+            model.finish_gradient_synchronization()
+        if recording[0]:
+            timeline.record("after backward", **holdings(strategy, model, optimizer))
+        optimizer.step()  # type: ignore[attr-defined]
+        if recording[0]:
+            timeline.record("after optimizer step", **holdings(strategy, model, optimizer))
+    return MemoryReport(strategy, world_size, settings.parameters, timeline.snapshots)
+
+
+def measure_memory(world_sizes: Sequence[int], settings: StepSettings,
+                   strategies: Sequence[Strategy] = tuple(Strategy), timeout: float = 300.0
+                   ) -> dict[tuple[Strategy, int], MemoryReport]:
+    """Rank 0's report for every strategy and world size (one launch each)."""
+    return {(s, n): launch(memory_worker, n, args=(settings, s), echo=False,
+                           timeout=timeout)[0]
+            for n in world_sizes for s in strategies}
+
+
+# --- traffic -----------------------------------------------------------------------------------
+
+
+def traffic_worker(rank: int, world_size: int, settings: StepSettings,
+                   strategy: Strategy) -> tuple[int, int]:
+    """One training step with chapter 3 and 4's ring collectives and a Recorder; returns
+    (bytes this rank sent, S: the bytes of the padded fp32 parameters). DDP is its
+    all-reduce of the gradients (the ring, on the same gradients, flattened)."""
+    recorder = Recorder()
+    net = mlp(settings).to(rank_device())
+    x = torch.randn(settings.batch, settings.width,
+                    generator=torch.Generator().manual_seed(rank)).to(rank_device())
+    padded = sum(4 * world_size * shard_numel(p.numel(), world_size) for p in net.parameters())
+    if strategy is Strategy.DDP:
+        net(x).square().mean().backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        ring_all_reduce(flat, recorder=recorder)
+        return recorder.stats.bytes_sent, 4 * flat.numel()
+    if strategy is Strategy.ZERO3:
+        model = FSDP(net, collectives=Algorithm.RING, recorder=recorder)
+        padded = sum(4 * u.padded_numel for u in model.units)
+        recorder.stats.bytes_sent = 0  # not the broadcast at construction
+        model(x).square().mean().backward()
+        model.finish_gradient_synchronization()
+        return recorder.stats.bytes_sent, padded
+    stage = ZeroStage.OPTIMIZER if strategy is Strategy.ZERO1 else ZeroStage.GRADIENTS
+    optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, stage=stage, lr=1e-3,
+                                 recorder=recorder)
+    net(x).square().mean().backward()
+    optimizer.step()
+    return recorder.stats.bytes_sent, padded
+
+
+@dataclass(frozen=True)
+class TrafficRow:
+    strategy: Strategy
+    world_size: int
+    sent: int
+    """Bytes rank 0 sent in one step."""
+    size: int
+    """S: bytes of the (padded) fp32 parameters."""
+
+    @property
+    def measured(self) -> float:
+        return self.sent / self.size
+
+    @property
+    def expected(self) -> float:
+        """The closed form, in multiples of S: 3(N-1)/N for ZeRO-3, 2(N-1)/N otherwise."""
+        n = self.world_size
+        return (3 if self.strategy is Strategy.ZERO3 else 2) * (n - 1) / n
+
+
+def measure_traffic(world_sizes: Sequence[int], settings: StepSettings,
+                    strategies: Sequence[Strategy] = tuple(Strategy)) -> list[TrafficRow]:
+    rows = []
+    for n in world_sizes:
+        for strategy in strategies:
+            sent, size = launch(traffic_worker, n, args=(settings, strategy), echo=False)[0]
+            rows.append(TrafficRow(strategy, n, sent, size))
+    return rows
+
+
+# --- the arithmetic: bytes per parameter ---------------------------------------------------------
+
+
+class Recipe(enum.Enum):
+    """Precision recipes for Adam and the bytes per parameter each keeps (see
+    :func:`bytes_per_parameter`)."""
+
+    FP32 = "fp32"
+    """fp32 parameters (4), gradients (4), Adam's m and v (4 + 4): 16."""
+    MIXED = "bf16 + fp32 master (ZeRO paper)"
+    """bf16/fp16 parameters (2) and gradients (2), fp32 master parameters (4), m and v (8): 16.
+    The ZeRO paper's count (arXiv 1910.02054, section 3.1: 2 + 2 + K with K = 12)."""
+    MIXED_FP32_GRADS = "bf16 + fp32 master, fp32 gradients"
+    """bf16 parameters (2), gradients accumulated in fp32 (4), master (4), m and v (8): 18."""
+    MIXED_BOTH_GRADS = "bf16 + fp32 master, bf16 and fp32 gradients"
+    """bf16 parameters (2) and gradients (2), an fp32 gradient accumulation buffer (4),
+    master (4), m and v (8): 20."""
+
+
+@dataclass(frozen=True)
+class BytesPerParameter:
+    """Bytes per parameter a rank holds, by kind, for a recipe, a ZeRO stage and N ranks."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    """Optimizer state, fp32 master parameters included."""
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+
+_RECIPE_BYTES = {  # (parameters, gradients, master + optimizer state) per parameter, for Adam
+    Recipe.FP32: (4, 4, 8),
+    Recipe.MIXED: (2, 2, 4 + 8),
+    Recipe.MIXED_FP32_GRADS: (2, 4, 4 + 8),
+    Recipe.MIXED_BOTH_GRADS: (2, 2 + 4, 4 + 8),
+}
+
+
+def bytes_per_parameter(recipe: Recipe, stage: int, world_size: int) -> BytesPerParameter:
+    """Stage 1 divides the optimizer state (master weights included) by N, stage 2 the
+    gradients too, stage 3 the parameters too. Activations, buffers, communication buffers
+    and the full parameters a stage-3 rank gathers for one unit at a time are not counted."""
+    if stage not in range(4) or world_size < 1:
+        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}.")
+    params, grads, state = _RECIPE_BYTES[recipe]
+    n = world_size
+    return BytesPerParameter(params / n if stage >= 3 else params,
+                             grads / n if stage >= 2 else grads,
+                             state / n if stage >= 1 else state)
+
+
+def max_parameters(memory_bytes: float, recipe: Recipe, stage: int, world_size: int) -> int:
+    """The most parameters whose training state fits in ``memory_bytes`` per rank (model
+    state only: activations need room too)."""
+    return math.floor(memory_bytes / bytes_per_parameter(recipe, stage, world_size).total)
