@@ -127,6 +127,13 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _point_at_meta(unit: FlatUnit) -> None:
+    for places, shape in zip(unit.places, unit.shapes, strict=True):
+        placeholder = torch.empty(shape, dtype=unit.full.dtype, device="meta")
+        for place in places:
+            setattr(place.module, place.attr, placeholder)
+
+
 def _all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
                      ) -> Any:
     """torch.distributed's all-gather of equal shards into ``out``, asynchronously."""
@@ -155,10 +162,13 @@ class FSDP(nn.Module):
     """ZeRO stage 3 (see the module docstring). Use it like :class:`labs.ddp.DDP`:
 
         model = FSDP(net)                          # or FSDP(net, units=[...])
-        optimizer = torch.optim.Adam(model.parameters())   # the fp32 shards
+        optimizer = torch.optim.Adam(model.parameters())   # fp32 shards (+ frozen params)
         model(x).sum().backward()
         model.finish_gradient_synchronization()
         optimizer.step()
+
+    ``model.state_dict()`` holds the shards (``shards.<i>``), not the model's names:
+    :meth:`gather_full_params` returns the full state dict under those names.
 
     Args:
         module: the model, built the same way on every rank (its parameters are broadcast
@@ -172,10 +182,12 @@ class FSDP(nn.Module):
             and reduce-scatter (the memory timeline of chapter 6 snapshots there).
         collectives: ``Algorithm.TORCH`` (default): torch.distributed's all-gather and
             reduce-scatter, asynchronous: the next unit's all-gather is started while this one
-            computes (prefetch, in the order of the last step's forward, reversed for
-            backward), and a unit's reduce-scatter travels while the next unit computes its
-            gradient. ``Algorithm.RING``: chapters 3 and 4's ring, one collective at a time,
-            every byte counted by ``recorder``.
+            computes (prefetch, in the order of the last step's forward and backward), and a
+            unit's reduce-scatter travels while the next unit computes its gradient. (gloo
+            has no reduce-scatter of its own: torch emulates it with an all-reduce, twice the
+            bytes; measured here it is still faster than chapter 3's ring called in the hook,
+            because it runs in the background.) ``Algorithm.RING``: chapters 3 and 4's ring
+            for everything, one collective at a time, every byte counted by ``recorder``.
         recorder: counts the bytes this rank sends (with ``Algorithm.RING``).
     """
 
@@ -196,6 +208,7 @@ class FSDP(nn.Module):
         self.module = module
         self.collectives = collectives
         self.group = process_group
+        self._ring_reduce = collectives is Algorithm.RING
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.compute_dtype = compute_dtype
@@ -274,8 +287,10 @@ class FSDP(nn.Module):
         for key in keys:
             for place in places[key]:
                 del place.module._parameters[place.attr]  # now a plain attribute (a view)
-        return FlatUnit(name, unit_module, [all_names[k] for k in keys], shapes,
+        unit = FlatUnit(name, unit_module, [all_names[k] for k in keys], shapes,
                         [places[k] for k in keys], offsets, total, shard, full)
+        _point_at_meta(unit)
+        return unit
 
     # -- forward and backward hooks --
 
@@ -308,11 +323,15 @@ class FSDP(nn.Module):
             unit.state = ShardedState.UNSHARDED
 
     def reshard(self, unit: FlatUnit) -> None:
-        """Free the unit's full vector (its storage becomes empty; the shard stays)."""
+        """Free the unit's full vector (its storage becomes empty; the shard stays). The
+        unit's parameter attributes become meta tensors (shape and dtype, no data): reading
+        a view of an empty storage would crash the process. :meth:`gather_full_params`
+        reads the parameters between steps."""
         if unit.state is ShardedState.GATHERING:
             self.unshard(unit)  # a prefetch nobody used: let it land before freeing
         if unit.state is ShardedState.UNSHARDED:
             unit.full.untyped_storage().resize_(0)
+            _point_at_meta(unit)
             unit.state = ShardedState.SHARDED
 
     def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
@@ -358,7 +377,7 @@ class FSDP(nn.Module):
         assert full_grad is not None
         self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
         unit.full.grad = None
-        if self.collectives is Algorithm.RING:
+        if self._ring_reduce:
             mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
             self._add_grad(unit, mine)
         else:

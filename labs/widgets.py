@@ -23,6 +23,8 @@ from labs.launch import launch
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
 from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
+from labs.viz_zero import calculator_table, plot_calculator, plot_step_memory
+from labs.zero_experiments import Recipe, Strategy, measure_memory, measure_traffic
 
 
 def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
@@ -198,3 +200,72 @@ def ddp_panel(world_size: int = 2, bucket_cap_mb: float = 0.25, accumulation: in
     display(w.VBox([w.HBox([size, cap, micro]), button, out]))
     show_ddp_run(world_size, dataclasses.replace(base, bucket_cap_mb=bucket_cap_mb,
                                                  accumulation=accumulation))
+
+
+# --- chapter 6: ZeRO and FSDP -------------------------------------------------------------------
+
+
+def memory_calculator(parameters: float = 7e9, recipe: Recipe = Recipe.MIXED,
+                      world_size: int = 8, memory_gb: float = 80.0) -> None:
+    """Model size, precision recipe, world size and memory per GPU -> bytes per parameter and
+    GB per rank at every ZeRO stage (arithmetic: :func:`labs.zero_experiments.bytes_per_parameter`).
+    The default is shown at once; every change redraws."""
+    size = w.FloatLogSlider(value=parameters, base=10, min=6, max=12, step=0.1,
+                            description="parameters", readout_format=".2g")
+    recipes = w.Dropdown(options=[(r.value, r) for r in Recipe], value=recipe,
+                         description="recipe", layout=w.Layout(width="420px"))
+    ranks = w.IntSlider(value=world_size, min=1, max=64, description="world size")
+    memory = w.FloatText(value=memory_gb, description="GB per GPU", layout=w.Layout(width="200px"))
+    out = w.Output()
+
+    def show(*_: object) -> None:
+        with out:
+            out.clear_output(wait=True)
+            _show_calculator(size.value, recipes.value, ranks.value, memory.value)
+
+    for control in (size, recipes, ranks, memory):
+        control.observe(show, names="value")
+    display(w.VBox([w.HBox([size, ranks]), w.HBox([recipes, memory]), out]))
+    _show_calculator(parameters, recipe, world_size, memory_gb)
+
+
+def _show_calculator(parameters: float, recipe: Recipe, world_size: int, memory_gb: float
+                     ) -> None:
+    print(calculator_table(parameters, recipe, world_size, memory_gb * 1e9))
+    fig = plot_calculator(parameters, recipe, world_size)
+    display(fig)
+    plt.close(fig)
+
+
+def show_zero_run(world_size: int, strategy: Strategy, settings: StepSettings) -> None:
+    """Measure one strategy on real ranks: rank 0's memory through one step (every moment
+    the strategy exposes) and the bytes it sends."""
+    start = time.perf_counter()
+    report = measure_memory([world_size], settings, [strategy])[(strategy, world_size)]
+    traffic = measure_traffic([world_size], settings, [strategy])[0]
+    print(f"{strategy.value}, world size {world_size}, {settings.parameters:,} parameters "
+          f"({settings.layers} x Linear({settings.width}, {settings.width})), Adam: "
+          f"{time.perf_counter() - start:.1f} s on real ranks")
+    print(f"peak {report.peak_bytes / settings.parameters:.2f} bytes per parameter "
+          f"({report.peak.moment}); sent {traffic.measured:.3f} S per step (closed form "
+          f"{traffic.expected:.3f} S)")
+    fig = plot_step_memory(report)
+    display(fig)
+    plt.close(fig)
+
+
+def zero_panel(world_size: int = 4, strategy: Strategy = Strategy.ZERO3,
+               settings: StepSettings | None = None) -> None:
+    """World size, ZeRO stage and model width -> one measured step: memory over time and
+    traffic. The default run is shown at once, as ordinary output."""
+    base = settings or StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
+    size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
+    stage = w.Dropdown(options=[(s.value, s) for s in Strategy], value=strategy,
+                       description="stage", layout=w.Layout(width="260px"))
+    width = w.Dropdown(options=[32, 64, 128, 256], value=base.width, description="layer width",
+                       layout=w.Layout(width="200px"))
+    out = w.Output()
+    button = _run_button(out, lambda: show_zero_run(
+        size.value, stage.value, dataclasses.replace(base, width=width.value)))
+    display(w.VBox([w.HBox([size, stage, width]), button, out]))
+    show_zero_run(world_size, strategy, base)

@@ -289,6 +289,19 @@ def test_a_unit_without_gradient_is_an_error_naming_it():
         launch(unused_unit, 2, echo=False, timeout=30)
 
 
+def poke_worker(rank: int, world_size: int) -> list[str]:
+    net = Deep()
+    model = FSDP(net, units=list(net.layers))
+    model(torch.ones(1, 10)).sum().backward()
+    model.finish_gradient_synchronization()
+    weight = net.layers[0].weight  # between steps: shape and dtype, no data to read
+    return [weight.device.type, str(tuple(weight.shape)), str((weight * 2).device)]
+
+
+def test_reading_a_sharded_parameter_between_steps_gives_a_meta_tensor_not_a_crash():
+    assert launch(poke_worker, 2, echo=False)[0] == ["meta", "(10, 10)", "meta"]
+
+
 def eval_worker(rank: int, world_size: int) -> list[ShardedState]:
     model = FSDP(Deep())
     with torch.no_grad():
