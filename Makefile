@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(BIN)/python -m labs.bench launch
 	$(BIN)/python -m labs.bench collectives
 	$(BIN)/python -m labs.bench ddp --launches 3
+	$(BIN)/python -m labs.bench fsdp
 
 clean:
 	rm -rf _build

@@ -12,11 +12,15 @@ The library the book's notebooks import. Modules follow the chapters:
 * :mod:`labs.ddp` - chapter 5: ``NaiveDDP`` and bucketed, overlapped ``DDP``;
   :mod:`labs.ddp_experiments` and :mod:`labs.ddp_pitfalls` measure them on real ranks;
   :mod:`labs.train` is the transformer training lab (``python -m labs ddp``).
+* :mod:`labs.zero` (ZeRO-1/2) and :mod:`labs.fsdp` (ZeRO-3) - chapter 6;
+  :mod:`labs.zero_experiments` measures memory and traffic per stage and
+  :mod:`labs.fsdp_torch` runs torch's ``fully_shard`` beside them.
 * :mod:`labs.checks` - the exercise checks, run on real ranks (chapters 2-4 in
-  :mod:`labs.checks_collectives`, chapter 5 in :mod:`labs.checks_ddp`).
-* :mod:`labs.viz`, :mod:`labs.viz_ddp`, :mod:`labs.widgets` - tables, figures, widget panels.
+  :mod:`labs.checks_collectives`, 5 in :mod:`labs.checks_ddp`, 6 in :mod:`labs.checks_zero`).
+* :mod:`labs.viz`, :mod:`labs.viz_ddp`, :mod:`labs.viz_zero`, :mod:`labs.widgets` - tables,
+  figures, widget panels.
 * :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``,
-  ``... ddp``).
+  ``... ddp``, ``... fsdp``).
 * :mod:`labs.grading` - for instructors: release learners' copies of the notebooks and grade
   them with nbval (``python -m labs.grading release|grade``).
 """

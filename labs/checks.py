@@ -12,7 +12,9 @@ verdict names what it drew, so that a grader's verdict can be rerun by hand.
 Exercise 1.1 lives here; the checks of chapters 2-4 (``check_ring_all_reduce``,
 ``check_ring_reduce_scatter``, ``check_ring_all_gather``, ``check_composed_all_reduce``) live in
 :mod:`labs.checks_collectives`, those of chapter 5 (``check_simple_ddp``, ``check_bucketed_ddp``)
-in :mod:`labs.checks_ddp`, and all are importable from here too.
+in :mod:`labs.checks_ddp`, those of chapter 6 (``check_sharded_sgd_step``,
+``check_fsdp_linear_forward``, ``check_reduce_scatter_grad``) in :mod:`labs.checks_zero`, and all
+are importable from here too.
 """
 
 from __future__ import annotations
@@ -225,11 +227,14 @@ _COLLECTIVE_CHECKS = (
 
 #: Exercises 5.1-5.2, re-exported from labs.checks_ddp in the same way.
 _DDP_CHECKS = ("check_simple_ddp", "check_bucketed_ddp")
+#: Exercises 6.1-6.3, re-exported from labs.checks_zero in the same way.
+_ZERO_CHECKS = ("check_sharded_sgd_step", "check_fsdp_linear_forward", "check_reduce_scatter_grad")
 
 
 def __getattr__(name: str) -> object:
     # Imported on first use rather than at the top: labs.checks_collectives and
-    # labs.checks_ddp import CheckResult from this module, so an eager import would be circular.
+    # labs.checks_ddp (and labs.checks_zero) import CheckResult from this module, so an eager
+    # import would be circular.
     if name in _COLLECTIVE_CHECKS:
         from labs import checks_collectives
 
@@ -238,4 +243,8 @@ def __getattr__(name: str) -> object:
         from labs import checks_ddp
 
         return getattr(checks_ddp, name)
+    if name in _ZERO_CHECKS:
+        from labs import checks_zero
+
+        return getattr(checks_zero, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -149,11 +149,11 @@ class ShardedOptimizer:
         sharded = self._by_param[id(param)]
         if self.observer is not None:  # the full gradient is still there to see
             self.observer(f"reduce-scatter {sharded.name}")
-        summed = self._reduce_scatter(sharded, param.grad)
+        mean = self._reduce_scatter(sharded, param.grad) / self.world_size
         if sharded.shard.grad is None:
-            sharded.shard.grad = summed
+            sharded.shard.grad = mean
         else:
-            sharded.shard.grad += summed
+            sharded.shard.grad += mean
         param.grad = None  # the full gradient is gone: only the shard remains
 
     def _reduce_scatter(self, sharded: ShardedParameter, grad: torch.Tensor) -> torch.Tensor:
@@ -165,12 +165,16 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         """Average the gradients' shards, step them, and all-gather every parameter."""
-        for sharded in self.sharded:
-            if self.stage is ZeroStage.OPTIMIZER and sharded.param.grad is not None:
-                sharded.shard.grad = self._reduce_scatter(sharded, sharded.param.grad)
-                sharded.param.grad = None  # reduce-scattered: the shard is all the step needs
-            if sharded.shard.grad is not None:
-                sharded.shard.grad /= self.world_size  # the sum over ranks -> the mean
+        for sharded in self.sharded if self.stage is ZeroStage.OPTIMIZER else ():
+            if sharded.param.grad is None:
+                raise RuntimeError(
+                    f"ShardedOptimizer: {sharded.name} has no gradient on this rank, so this "
+                    "rank cannot make the same reduce-scatters as the others (they would "
+                    "wait for it). Use the parameter in the loss on every rank, or freeze it "
+                    "(requires_grad=False) before building the optimizer.")
+            summed = self._reduce_scatter(sharded, sharded.param.grad)
+            sharded.shard.grad = summed / self.world_size  # the mean of this shard
+            sharded.param.grad = None  # reduce-scattered: the shard is all the step needs
         self.optimizer.step()
         with torch.no_grad():
             for sharded in self.sharded:  # every rank's updated shard, into the parameter

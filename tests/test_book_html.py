@@ -48,8 +48,8 @@ INTRO = "book/intro.html"
 # Chapters 2-4 add matplotlib animations (JavaScript players) beside widgets and math.
 ANIMATED = [f"notebooks/{name}.html"
             for name in ("02_allreduce_algorithms", "03_reduce_scatter", "04_all_gather")]
-# Chapter 5: a widget panel, Gantt charts and tables of measured step times.
-WIDGET_PAGES = ["notebooks/05_ddp.html"]
+# Chapters 5 and 6: widget panels, Gantt charts, memory plots and tables.
+WIDGET_PAGES = ["notebooks/05_ddp.html", "notebooks/06_zero_fsdp.html"]
 BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED, *WIDGET_PAGES]
 # matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
 ANIMATION_FRAME_ID = "_anim_img"

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "notebooks"
 #: The reference notebooks with exercises (the appendix has none: release skips it).
 CHAPTERS = {c.name: c for c in load_chapters(REFERENCE) if c.exercises}
-ALL_EXERCISES = ["1.1", "2.1", "3.1", "4.1", "4.2", "5.1", "5.2"]
+ALL_EXERCISES = ["1.1", "2.1", "3.1", "4.1", "4.2", "5.1", "5.2", "6.1", "6.2", "6.3"]
 SEED = 11  # hidden cases of the end-to-end runs: fixed, so a failure here can be rerun
 
 
@@ -362,6 +362,10 @@ MUTATIONS = [
     ("4.2", "tensor.copy_(total.view_as(tensor))", "return total.view_as(tensor)"),
     ("5.1", "p.grad /= world_size", "pass  # forgot to divide"),
     ("5.2", "async_op=True)", "async_op=False)"),
+    ("6.1", "m.mul_(beta)", "m.mul_(0.0)"),
+    ("6.2", "out = x @ weight.T + bias", "out = x @ weight + bias"),
+    ("6.3", "return ring_reduce_scatter(padded) / world_size",
+     "return ring_reduce_scatter(padded)"),
 ]
 
 

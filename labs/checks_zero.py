@@ -1,0 +1,914 @@
+"""Exercise checks for chapter 6: ZeRO-1's sharded step, FSDP's gather and free, and the
+gradient reduce-scatter, each run on real ranks.
+
+All three exercises share ZeRO's layout (Rajbhandari et al., arXiv 1910.02054): a tensor of
+``numel`` elements is flattened and zero-padded to ``N * k`` elements, ``k = ceil(numel / N)``,
+and rank r owns elements ``[r*k, (r+1)*k)``.
+
+* 6.1 ``sharded_sgd_step(params, momentum_shards, lr, beta)``: rank r updates only its shard of
+  every parameter (``m = beta * m + g_shard``, ``p_shard -= lr * m``, with ``m`` its k-element
+  momentum shard, updated in place), then all-gathers the updated shards into the parameter.
+  3 steps, against plain SGD with momentum in one process.
+* 6.2 ``fsdp_linear_forward(shard, in_features, out_features, x)``: all-gather the flat vector
+  ``cat(weight.flatten(), bias)`` of a ``Linear(in_features, out_features)``, return
+  ``x @ weight.T + bias``, and free the gathered vector before returning (FSDP's reshard).
+* 6.3 ``reduce_scatter_grad(grad)``: rank r's shard of the mean over ranks of the flattened,
+  zero-padded gradients, by a reduce-scatter.
+
+Inputs are small integers stored as float32, ``lr = 0.25`` and ``beta = 0.5``, so 6.1 and 6.2
+are compared exactly (``torch.equal``); 6.3 divides by N and is compared with rtol=1e-6,
+atol=1e-6. The learner's function is called under ``torch.no_grad()`` (as an optimizer step and
+an inference forward run) inside an :class:`~labs.memory.AllocationTracker`, which tells which
+storages made during the call are still alive after it (read once every case has run: gloo
+lets go of a finished collective's tensors a little after ``wait()`` returns). Inside every
+rank each collective of ``ProcessGroup`` (what ``dist.*`` calls, however the learner reached it,
+and the point-to-point sends of :mod:`labs.collectives`) is counted at its ring cost, the
+bytes a rank sends: (N-1)·b for an all-gather of b bytes per rank, (N-1)·b for a
+reduce-scatter into b bytes, 2(N-1)/N·b for an all-reduce of b bytes, b for a send or a
+broadcast. An all-gather or a reduce-scatter of the padded tensor (S = N·k·4 bytes) costs
+exactly (N-1)/N·S; each rank may send no more. Exercise 6.3 refuses all-reduces outright.
+Everything patched is restored.
+
+``seed=0`` runs the documented cases; any other seed also draws one more world size (5 or 6)
+and other shapes from ``random.Random(seed)``, and the verdict names them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import gc
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import distributed_c10d
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from labs.checks import CHECK_TIMEOUT_S, CheckResult, _report
+from labs.checks_collectives import (
+    CollectiveUsedError,
+    _first_difference,
+    _ranks_text,
+    _signature_problem,
+    _validate,
+    _values,
+)
+from labs.launch import LaunchTimeout, RankError, launch
+from labs.memory import AllocationTracker
+from labs.zero import shard_numel
+
+STEPS = 3  #: steps of exercise 6.1 per case
+LR, BETA = 0.25, 0.5  #: powers of two: every value of 6.1 stays exact in float32
+RTOL = ATOL = 1e-6  #: 6.3's tolerance (a mean over 3 ranks is not exact in binary)
+BATCH = 3  #: rows of 6.2's input x
+_F32 = 4  #: bytes per element: every tensor of these checks is float32
+#: Parameter and gradient shapes of 6.1 and 6.3: 24 elements (divisible by 1, 2, 3, 4, 6) first,
+#: then numels that 2, 3 or 4 do not divide, 2-D ones, and numel 1 (< N for every N >= 2).
+_SHAPES = ((4, 6), (7,), (5, 3), (3,), (1,))
+#: The parameters 6.1 also passes in one call: one even, one uneven, numel 1.
+_TOGETHER = (_SHAPES[0], _SHAPES[1], _SHAPES[-1])
+#: (in_features, out_features) of 6.2: flat numels 2 (< 3 and 4), 8, 15 and 35.
+_LINEARS = ((1, 1), (3, 2), (4, 3), (6, 5))
+_DRAWN_WORLD_SIZES = (5, 6)
+#: Tagged onto an exception raised by the learner's code, so the parent knows the case.
+_CASE_NOTE = "[labs check] case"
+
+
+class ZeroExercise(enum.Enum):
+    """The exercises of chapter 6 that these checks run."""
+
+    #: ``sharded_sgd_step(params, momentum_shards, lr, beta)``: ZeRO-1's step.
+    SHARDED_STEP = "6.1"
+    #: ``fsdp_linear_forward(shard, in_features, out_features, x) -> Tensor``: gather, free.
+    FSDP_FORWARD = "6.2"
+    #: ``reduce_scatter_grad(grad) -> Tensor``: this rank's shard of the mean gradient.
+    REDUCE_SCATTER_GRAD = "6.3"
+
+    @property
+    def function(self) -> str:
+        return {ZeroExercise.SHARDED_STEP: "sharded_sgd_step",
+                ZeroExercise.FSDP_FORWARD: "fsdp_linear_forward",
+                ZeroExercise.REDUCE_SCATTER_GRAD: "reduce_scatter_grad"}[self]
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        return {ZeroExercise.SHARDED_STEP: ("params", "momentum_shards", "lr", "beta"),
+                ZeroExercise.FSDP_FORWARD: ("shard", "in_features", "out_features", "x"),
+                ZeroExercise.REDUCE_SCATTER_GRAD: ("grad",)}[self]
+
+    @property
+    def title(self) -> str:
+        return f"Exercise {self.value} {self.function}"
+
+    @property
+    def collective(self) -> str:
+        """The one collective the exercise makes."""
+        return "a reduce-scatter" if self is ZeroExercise.REDUCE_SCATTER_GRAD else "an all-gather"
+
+
+# --- the cases ---------------------------------------------------------------------------------
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _padded(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """``tensor`` flattened and zero-padded to N·k elements, k = ceil(numel / N)."""
+    flat = tensor.reshape(-1)
+    return F.pad(flat, (0, n * shard_numel(flat.numel(), n) - flat.numel()))
+
+
+def _shard(padded: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    k = padded.numel() // n
+    return padded[r * k:(r + 1) * k]
+
+
+@dataclass(frozen=True)
+class _Case:
+    """The shapes one case passes: 6.1's parameters, 6.2's ``(weight, bias)``, 6.3's gradient."""
+
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def linear(cls, in_features: int, out_features: int) -> _Case:
+        return cls(((out_features, in_features), (out_features,)))
+
+    @property
+    def numel(self) -> int:
+        return sum(map(_numel, self.shapes))
+
+    def numels(self, exercise: ZeroExercise) -> tuple[int, ...]:
+        """The numel of each padded tensor: one flat vector for 6.2, one per shape otherwise."""
+        if exercise is ZeroExercise.FSDP_FORWARD:
+            return (self.numel,)
+        return tuple(map(_numel, self.shapes))
+
+    def uneven(self, exercise: ZeroExercise, n: int) -> bool:
+        return any(numel % n for numel in self.numels(exercise))
+
+    def describe(self, exercise: ZeroExercise) -> str:
+        if exercise is ZeroExercise.FSDP_FORWARD:
+            (out_features, in_features), _ = self.shapes
+            return f"Linear({in_features}, {out_features}) (flat numel {self.numel})"
+        if len(self.shapes) > 1:
+            return f"{len(self.shapes)} parameters at once ({_shapes_text(self.shapes)})"
+        what = "a parameter" if exercise is ZeroExercise.SHARDED_STEP else "a gradient"
+        return f"{what} of shape {self.shapes[0]} (numel {self.numel})"
+
+
+def _shapes_text(shapes: Sequence[tuple[int, ...]]) -> str:
+    return ", ".join(map(str, shapes))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one check runs: the world sizes and the cases of every launch."""
+
+    exercise: ZeroExercise
+    seed: int
+    world_sizes: tuple[int, ...]
+    drawn_world_size: int | None
+    drawn: tuple[_Case, ...]
+
+    @classmethod
+    def make(cls, exercise: ZeroExercise, world_sizes: Sequence[int], seed: int) -> _Plan:
+        sizes = tuple(world_sizes)
+        if seed == 0:
+            return cls(exercise, seed, sizes, None, ())
+        rng = random.Random(seed)
+        spare = [n for n in _DRAWN_WORLD_SIZES if n not in sizes]
+        extra = rng.choice(spare) if spare else None
+        if exercise is ZeroExercise.FSDP_FORWARD:
+            drawn = (_Case.linear(rng.randint(2, 9), rng.randint(2, 9)),)
+        else:
+            drawn = (_Case(((rng.randint(8, 60),),)),
+                     _Case(((rng.randint(2, 7), rng.randint(2, 7)),)))
+        return cls(exercise, seed, sizes + ((extra,) if extra else ()), extra, drawn)
+
+    @property
+    def cases(self) -> tuple[_Case, ...]:
+        if self.exercise is ZeroExercise.FSDP_FORWARD:
+            return (*(_Case.linear(i, o) for i, o in _LINEARS), *self.drawn)
+        singles = (*(_Case((s,)) for s in _SHAPES), *self.drawn)
+        if self.exercise is ZeroExercise.SHARDED_STEP:  # and several in one call
+            return (*singles, _Case(_TOGETHER))
+        return singles
+
+    def note(self) -> str:
+        if self.seed == 0:
+            return ""
+        if self.exercise is ZeroExercise.FSDP_FORWARD:
+            drawn = self.drawn[0].describe(self.exercise).split(" (")[0]
+        else:
+            drawn = "shapes " + " and ".join(str(c.shapes[0]) for c in self.drawn)
+        extra = f"world size {self.drawn_world_size} and " if self.drawn_world_size else ""
+        return f" [seed {self.seed} drew {extra}{drawn}; pass seed={self.seed} to rerun]"
+
+
+# The inputs, a pure function of their arguments (parent and ranks agree): integers in [1, 9].
+
+
+def _start_param(seed: int, n: int, index: int, i: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return _values(seed, n, index, 100 + i, _numel(shape)).view(shape)
+
+
+def _step_grad(seed: int, n: int, index: int, step: int, i: int,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    return _values(seed, n, index, 1000 * (step + 1) + i, _numel(shape)).view(shape)
+
+
+def _linear_inputs(seed: int, n: int, index: int, case: _Case
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded flat vector ``cat(weight.flatten(), bias)`` of 6.2 and its input x."""
+    (out_features, in_features), _ = case.shapes
+    flat = _values(seed, n, index, -1, case.numel)
+    return _padded(flat, n), _values(seed, n, index, -2, BATCH * in_features).view(BATCH, -1)
+
+
+def _rank_grad(seed: int, n: int, index: int, rank: int, case: _Case) -> torch.Tensor:
+    return _values(seed, n, index, rank, case.numel).view(case.shapes[0])
+
+
+# --- inside every rank ---------------------------------------------------------------------------
+
+
+class _Kind(enum.Enum):
+    """What a ``ProcessGroup`` call is, for its cost."""
+
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_REDUCE = "all-reduce"
+    OTHER = "other"  #: a send, a broadcast, ...: the bytes of the tensors passed
+
+
+_GROUP_METHODS = {
+    **dict.fromkeys(("allgather", "_allgather_base", "all_gather_single", "allgather_coalesced",
+                     "allgather_into_tensor_coalesced", "all_gather_single_coalesced"),
+                    _Kind.ALL_GATHER),
+    **dict.fromkeys(("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+                     "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+                    _Kind.REDUCE_SCATTER),
+    **dict.fromkeys(("allreduce", "allreduce_coalesced"), _Kind.ALL_REDUCE),
+    **dict.fromkeys(("send", "broadcast", "reduce", "gather", "scatter", "alltoall",
+                     "alltoall_base", "all_to_all_single"), _Kind.OTHER),
+}
+
+
+def _nbytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _cost(kind: _Kind, args: tuple[Any, ...], n: int) -> float:
+    """Bytes this rank sends for one call, by the ring algorithms of chapters 2-4."""
+    if kind is _Kind.ALL_GATHER:  # (output(s), input(s), ...): forward N-1 shards
+        return (n - 1) * _nbytes(args[1])
+    if kind is _Kind.REDUCE_SCATTER:  # (output(s), input(s), ...): N-1 partial sums
+        return (n - 1) * _nbytes(args[0])
+    if kind is _Kind.ALL_REDUCE:
+        return 2 * (n - 1) / n * _nbytes(args[0])
+    return _nbytes(args[0])
+
+
+@dataclass
+class _Traffic:
+    """What this rank sent during the current call (reset before each)."""
+
+    sent: float = 0.0
+    all_reduced: int = 0  #: elements passed to all-reduces
+
+
+def _refuse_all_reduce() -> NoReturn:
+    raise CollectiveUsedError(
+        "Exercise 6.3: no all-reduce: it would leave the full mean on every rank, twice the "
+        "traffic of a reduce-scatter (2(N-1)/N·S instead of (N-1)/N·S) and N times the memory "
+        "of the shard. Reduce-scatter the zero-padded gradient (labs.collectives."
+        "ring_reduce_scatter, or torch's reduce-scatter) and divide by N")
+
+
+@contextlib.contextmanager
+def _watched_collectives(refuse_all_reduce: bool) -> Iterator[_Traffic]:
+    """Inside: every collective method of ``ProcessGroup`` adds its cost to the traffic (the
+    ProcessGroup level sees ``dist.*`` however it was imported, and the point-to-point sends
+    of labs.collectives); all-reduces raise when ``refuse_all_reduce``. Restored on exit."""
+    traffic = _Traffic()
+    group_class = distributed_c10d.ProcessGroup
+    saved = [(name, getattr(group_class, name)) for name in _GROUP_METHODS
+             if hasattr(group_class, name)]
+
+    def counted(kind: _Kind, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if kind is _Kind.ALL_REDUCE:
+                if refuse_all_reduce:
+                    _refuse_all_reduce()
+                traffic.all_reduced += _nbytes(args[0]) // _F32
+            traffic.sent += _cost(kind, args, self.size())
+            return original(self, *args, **kwargs)
+
+        return call
+
+    try:
+        for name, original in saved:
+            setattr(group_class, name, counted(_GROUP_METHODS[name], original))
+        yield traffic
+    finally:
+        for name, original in saved:
+            setattr(group_class, name, original)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of the learner's function on one rank."""
+
+    problem: str
+    """What is wrong that needs no reference ('' when nothing)."""
+    returned: torch.Tensor | None  #: a copy of what it returned, when a tensor
+    returned_type: str
+    returned_storage: int  #: bytes of the storage behind the returned tensor
+    state: tuple[torch.Tensor, ...]
+    """Copies after the call: 6.1 the parameters then the momentum shards, 6.2 the shard, 6.3
+    the gradient."""
+    sent: float  #: bytes sent (ring costs, see the module docstring)
+    all_reduced: int  #: elements all-reduced
+    held: int = 0
+    """Bytes of the storages made during the call that are still alive once every case has
+    run (at their current size: a storage shrunk with ``resize_(0)`` is free), the returned
+    tensor's aside."""
+
+
+#: Weak references to the storages a call made (the returned tensor's aside).
+_Made = list[StorageWeakRef]
+#: gloo's worker threads drop the tensors of a finished collective a little after wait()
+#: returns: a rank looks this many times, 10 ms apart, before it counts what is alive as held.
+_SETTLE_LOOKS = 100
+
+
+def _measured(call: Callable[[], object], traffic: _Traffic,
+              state: Callable[[], Sequence[torch.Tensor]], keep: bool = True
+              ) -> tuple[_Call, _Made]:
+    """Runs ``call`` under no_grad and an AllocationTracker, with the traffic counted."""
+    traffic.sent, traffic.all_reduced = 0.0, 0
+    with torch.no_grad(), AllocationTracker() as tracker:
+        returned = call()
+    tensor = returned if keep and isinstance(returned, torch.Tensor) else None
+    kept = None if tensor is None else tensor.untyped_storage()._cdata
+    made = [ref for key, (ref, _) in tracker._live.items() if key != kept and not ref.expired()]
+    return _Call("", None if tensor is None else tensor.detach().clone(),
+                 type(returned).__name__,
+                 0 if tensor is None else tensor.untyped_storage().nbytes(),
+                 tuple(t.detach().clone() for t in state()), traffic.sent,
+                 traffic.all_reduced), made
+
+
+def _alive_bytes(made: _Made) -> int:
+    """Bytes of the storages still alive, at their current size (the tracker's own live_bytes
+    reports the size at allocation, which a storage freed by resize_(0) no longer has)."""
+    total = 0
+    for ref in made:
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if storage is not None:
+            total += storage.nbytes()
+        del storage
+    return total
+
+
+def _settle(made: _Made) -> None:
+    """Gives gloo's finished work, and tensors in reference cycles, a chance to go."""
+    for look in range(_SETTLE_LOOKS):
+        if not _alive_bytes(made):
+            return
+        if look == 5:
+            gc.collect()  # 0.3 s in a rank, so not before gloo had its chance
+        time.sleep(0.01)
+
+
+def _run_step(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case, seed: int,
+              traffic: _Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
+    params = [nn.Parameter(_start_param(seed, n, index, i, s)) for i, s in enumerate(case.shapes)]
+    momenta = [torch.zeros(shard_numel(p.numel(), n)) for p in params]  # 1-D, k elements each
+    inputs.append(params)
+    calls = []
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = _step_grad(seed, n, index, step, i, p.shape)
+        given, places = list(momenta), [p.data_ptr() for p in params]
+        call, made = _measured(lambda given=given: fn(params, given, LR, BETA), traffic,
+                               state=lambda: [*params, *momenta], keep=False)
+        replaced = [i for i, m in enumerate(momenta) if i >= len(given) or given[i] is not m]
+        moved = [i for i, p in enumerate(params) if p.data_ptr() != places[i]]
+        for p in params:
+            p.grad = None  # a gradient the learner replaced is not state kept between steps
+        if replaced:
+            call = replace(call, problem=(
+                f"momentum_shards[{replaced[0]}] was replaced by another tensor; update the "
+                "tensor the list holds in place (m.mul_(beta).add_(g_shard)): the rank keeps "
+                "it between steps."))
+        elif moved:
+            call = replace(call, problem=(
+                f"parameter {moved[0]} was re-pointed at a new tensor (p.data = ...); copy "
+                "the gathered values into it in place (p.copy_(...)), so that whoever holds "
+                "the parameter sees them."))
+        calls.append((call, made))  # and on: a rank that stopped would leave its peers waiting
+    return calls
+
+
+def _run_forward(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case, seed: int,
+                 traffic: _Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
+    (out_features, in_features), _ = case.shapes
+    padded, x = _linear_inputs(seed, n, index, case)
+    shard = _shard(padded, n, rank).clone()  # 1-D, k elements
+    inputs.extend((shard, x))
+    return [_measured(lambda: fn(shard, in_features, out_features, x), traffic,
+                      state=lambda: [shard])]
+
+
+def _run_grad(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case, seed: int,
+              traffic: _Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
+    grad = _rank_grad(seed, n, index, rank, case)
+    inputs.append(grad)
+    return [_measured(lambda: fn(grad), traffic, state=lambda: [grad])]
+
+
+def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: ZeroExercise,
+              cases: tuple[_Case, ...], seed: int) -> list[list[_Call]]:
+    """Runs every case on this rank with the collectives watched, then counts what each call
+    left alive (at the end, when gloo has let go of the tensors of finished collectives)."""
+    run = {ZeroExercise.SHARDED_STEP: _run_step, ZeroExercise.FSDP_FORWARD: _run_forward,
+           ZeroExercise.REDUCE_SCATTER_GRAD: _run_grad}[exercise]
+    results = []
+    inputs: list[object] = []  # alive until the end: what the learner hangs on them is held
+    refuse = exercise is ZeroExercise.REDUCE_SCATTER_GRAD
+    with _watched_collectives(refuse_all_reduce=refuse) as traffic:
+        for index, case in enumerate(cases):
+            try:
+                results.append(run(fn, rank, world_size, index, case, seed, traffic, inputs))
+            except BaseException as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
+                    exc.add_note(f"{_CASE_NOTE} {index}")
+                raise
+    _settle([ref for calls in results for _, made in calls for ref in made])
+    return [[replace(call, held=_alive_bytes(made)) for call, made in calls] for calls in results]
+
+
+# --- judging values ---------------------------------------------------------------------------
+
+
+def _elements(q: int, k: int) -> str:
+    return f"shard {q}, elements [{q * k}, {(q + 1) * k})"
+
+
+def _sgd_reference(seed: int, n: int, index: int, case: _Case
+                   ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """One process's SGD with momentum: per step, the parameters and the padded momenta."""
+    params = [_start_param(seed, n, index, i, s) for i, s in enumerate(case.shapes)]
+    momenta = [torch.zeros(n * shard_numel(p.numel(), n)) for p in params]
+    states = []
+    for step in range(STEPS):
+        grads = [_step_grad(seed, n, index, step, i, p.shape) for i, p in enumerate(params)]
+        momenta = [BETA * m + _padded(g, n) for m, g in zip(momenta, grads, strict=True)]
+        params = [p - LR * m[:p.numel()].view_as(p) for p, m in zip(params, momenta, strict=True)]
+        states.append((params, momenta))
+    return states
+
+
+def _judge_step(n: int, index: int, case: _Case, seed: int, calls: Sequence[list[_Call]]) -> str:
+    reference = _sgd_reference(seed, n, index, case)
+    count = len(case.shapes)
+    for step, (params, momenta) in enumerate(reference):
+        at = f"step {step + 1}: rank"
+        for r in range(n):
+            if calls[r][step].problem:
+                return f"{at} {r}: {calls[r][step].problem}"
+        for i, want in enumerate(momenta):
+            before = reference[step - 1][1][i] if step else torch.zeros_like(want)
+            for r in range(n):
+                wrong = _judge_momentum(n, r, i, calls[r][step].state[count + i], want, before)
+                if wrong:
+                    return f"{at} {r}: {wrong}"
+        for i, want in enumerate(params):
+            before = reference[step - 1][0][i] if step else _start_param(
+                seed, n, index, i, case.shapes[i])
+            for r in range(n):
+                wrong = _judge_param(n, r, i, calls[r][step].state[i], want, before)
+                if wrong:
+                    return f"{at} {r}: {wrong}"
+    return ""
+
+
+def _judge_momentum(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
+                    before: torch.Tensor) -> str:
+    k = want.numel() // n
+    if torch.equal(got, _shard(want, n, r)):
+        return ""
+    if torch.equal(got, _shard(before, n, r)):
+        return (f"momentum_shards[{i}] was not updated. Update it in place, "
+                f"m.mul_(beta).add_(g_shard), g_shard being this rank's {_elements(r, k)} "
+                "of the flattened, zero-padded gradient. (A full-size momentum kept elsewhere "
+                "is the N-fold memory that ZeRO-1 saves.)")
+    other = [q for q in range(n) if q != r and torch.equal(got, _shard(want, n, q))]
+    if other:
+        return (f"momentum_shards[{i}] holds the momentum of {_elements(other[0], k)}, not "
+                f"of this rank's {_elements(r, k)}: rank r owns elements [r*k, (r+1)*k) of "
+                f"the flattened, zero-padded parameter, k = ceil(numel / N) = {k}.")
+    return (f"momentum_shards[{i}]: " + _first_difference(got, _shard(want, n, r), (
+        f"m = beta * m + g_shard on {_elements(r, k)}")) + ".")
+
+
+def _judge_param(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
+                 before: torch.Tensor) -> str:
+    if torch.equal(got, want):
+        return ""
+    if torch.equal(got, before):
+        return (f"parameter {i} is unchanged: write the gathered values into it in place, "
+                "p.copy_(full[:p.numel()].view_as(p)).")
+    k = shard_numel(want.numel(), n)
+    flat, ok, old = got.reshape(-1), want.reshape(-1), before.reshape(-1)
+    spans = [(q, q * k, min((q + 1) * k, ok.numel())) for q in range(n) if q * k < ok.numel()]
+    wrong = [(q, a, b) for q, a, b in spans if not torch.equal(flat[a:b], ok[a:b])]
+    if (n > 1 and r not in [q for q, _, _ in wrong]
+            and all(torch.equal(flat[a:b], old[a:b]) for _, a, b in wrong)):
+        return (f"only this rank's own shard of parameter {i} ({_elements(r, k)}) was "
+                "updated; the other shards still hold the old values. All-gather the updated "
+                "shards, so that every rank holds the whole updated parameter.")
+    q, a, b = wrong[0]
+    return (f"parameter {i}, {_elements(q, k)}: " + _first_difference(
+        flat[a:b], ok[a:b], f"after the all-gather, shard {q} holds rank {q}'s update") + ".")
+
+
+def _linear(x: torch.Tensor, flat: torch.Tensor, in_features: int, out_features: int,
+            bias_first: bool = False) -> torch.Tensor:
+    """F.linear with the weight and bias read from ``flat``, in either order."""
+    w = out_features * in_features
+    if bias_first:
+        return F.linear(x, flat[out_features:out_features + w].view(out_features, in_features),
+                        flat[:out_features])
+    return F.linear(x, flat[:w].view(out_features, in_features), flat[w:w + out_features])
+
+
+def _judge_forward(n: int, index: int, case: _Case, seed: int,
+                   calls: Sequence[list[_Call]]) -> str:
+    (out_features, in_features), _ = case.shapes
+    padded, x = _linear_inputs(seed, n, index, case)
+    w = out_features * in_features
+    want = _linear(x, padded, in_features, out_features)
+    k = padded.numel() // n
+    for r in range(n):
+        call = calls[r][0]
+        if not torch.equal(call.state[0], _shard(padded, n, r)):
+            return (f"rank {r}: the shard it was given was changed; gather from it, but leave "
+                    "it as it is (it is the rank's only copy of the parameters).")
+        got = call.returned
+        if got is None or got.shape != want.shape:
+            what = call.returned_type if got is None else f"a tensor of shape {tuple(got.shape)}"
+            return (f"rank {r}: returned {what}; it must return x @ weight.T + bias, of shape "
+                    f"{tuple(want.shape)} (x has shape {tuple(x.shape)}).")
+        if torch.equal(got, want):
+            continue
+        own = torch.zeros_like(padded)
+        _shard(own, n, r).copy_(_shard(padded, n, r))
+        reversed_ = torch.cat([_shard(padded, n, q) for q in reversed(range(n))])
+        candidates = (
+            (_linear(x, padded, in_features, out_features, bias_first=True),
+             "weight and bias are swapped: the flat vector is cat(weight.flatten(), bias), so "
+             f"weight = full[:{w}].view({out_features}, {in_features}) comes first, then bias "
+             f"= full[{w}:{w + out_features}]."),
+            (F.linear(x, padded[:w].view(out_features, in_features), padded[-out_features:]),
+             f"the bias was read from the end of the gathered vector, which ends with "
+             f"{padded.numel() - case.numel} element(s) of padding: bias = "
+             f"full[{w}:{w + out_features}], right after the weight."),
+            (x @ padded[:w].view(in_features, out_features) + padded[w:w + out_features],
+             f"the weight was viewed as ({in_features}, {out_features}); it is stored "
+             f"row-major as (out_features, in_features): weight = full[:{w}]"
+             f".view({out_features}, {in_features}), and the output is x @ weight.T + bias."),
+            (_linear(x, reversed_, in_features, out_features),
+             "the shards were put together in the wrong order: shard q (rank q's) belongs at "
+             f"elements [q*k, (q+1)*k), k = {k}; all-gathers return them in rank order."),
+            (_linear(x, own, in_features, out_features),
+             "only this rank's shard was used, the rest of the vector left at zero: all-gather "
+             "every rank's shard first."),
+            (x @ padded[:w].view(out_features, in_features).T, "the bias was not added."),
+        )
+        hint = next((h for value, h in candidates if torch.equal(got, value)
+                     and not torch.equal(value, want)), "")
+        return f"rank {r}: " + (hint or _first_difference(
+            got.reshape(-1), want.reshape(-1), "F.linear(x, weight, bias) with the gathered "
+            "weight and bias") + ".")
+    return ""
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _judge_grad(n: int, index: int, case: _Case, seed: int, calls: Sequence[list[_Call]]) -> str:
+    grads = [_rank_grad(seed, n, index, r, case) for r in range(n)]
+    total = sum(grads)
+    assert isinstance(total, torch.Tensor)
+    summed, mean = _padded(total, n), _padded(total, n) / n
+    k = mean.numel() // n
+    for r in range(n):
+        call = calls[r][0]
+        if not torch.equal(call.state[0], grads[r]):
+            return (f"rank {r}: grad was changed; reduce_scatter_grad must leave it as it is "
+                    "(pad and divide a copy: reshape(-1) is a view when it can be).")
+        got, want = call.returned, _shard(mean, n, r)
+        if got is None or got.dim() != 1:
+            what = call.returned_type if got is None else f"a tensor of shape {tuple(got.shape)}"
+            return (f"rank {r}: returned {what}; it must return a 1-D tensor of k = ceil(numel / "
+                    f"N) = {k} element(s), {_elements(r, k)} of the mean.")
+        if _close(got, want):
+            continue
+        chunk = torch.tensor_split(total.reshape(-1) / n, n)[r]
+        if n > 1 and _close(got, mean):
+            return (f"rank {r}: returned the whole mean ({got.numel()} elements); return only "
+                    f"this rank's {_elements(r, k)}: 1/N of the memory, for (N-1)/N·S bytes.")
+        if _close(got, chunk):
+            return (f"rank {r}: returned chunk {r} of torch.tensor_split (shard_bounds: the first "
+                    "numel % N chunks one element longer), not the ZeRO shard: zero-pad the "
+                    f"flattened gradient to N*k = {n * k} elements first (k = ceil(numel / N)), "
+                    "then reduce-scatter it.")
+        if got.numel() != k:
+            return (f"rank {r}: returned {got.numel()} element(s); a shard has k = ceil(numel / "
+                    f"N) = {k}.")
+        if n > 1 and _close(got, _shard(summed, n, r)):
+            return (f"rank {r}: returned the SUM over ranks ({n} x the mean): a reduce-scatter "
+                    "sums; divide by the world size.")
+        other = [q for q in range(n) if q != r and _close(got, _shard(mean, n, q))]
+        if other:
+            return (f"rank {r}: returned {_elements(other[0], k)} of the mean, not its own "
+                    f"{_elements(r, k)}: rank r owns elements [r*k, (r+1)*k).")
+        divisor = next((d for d in range(1, 2 * n + 1) if d != n
+                        and _close(got, _shard(summed, n, r) / d)), 0)
+        if n > 1 and divisor:
+            return (f"rank {r}: returned the sum divided by {divisor}, not by the world size {n}: "
+                    "divide by dist.get_world_size().")
+        return f"rank {r}: " + _first_difference(got, want, f"{_elements(r, k)} of the mean") + "."
+    return ""
+
+
+# --- judging memory and traffic -------------------------------------------------------------------
+
+
+def _judge_cost(exercise: ZeroExercise, n: int, case: _Case,
+                calls: Sequence[list[_Call]]) -> str:
+    """Nothing made during a call may outlive it (but the result), and each rank sends at most
+    the ring cost of one all-gather or reduce-scatter of every padded tensor."""
+    numels = case.numels(exercise)
+    ks = [shard_numel(numel, n) for numel in numels]
+    full = n * sum(ks) * _F32  # S: the padded tensors, in bytes
+    steps = len(calls[0])
+    for step in range(steps):
+        at = f"step {step + 1}: " if exercise is ZeroExercise.SHARDED_STEP else ""
+        for r in range(n):
+            call = calls[r][step]
+            if call.returned is not None and call.returned_storage > call.returned.numel() * _F32:
+                return (f"{at}rank {r}: the returned tensor is a view of a larger one "
+                        f"({call.returned_storage} bytes), which it keeps alive: return a "
+                        "tensor of its own (.clone() the shard).")
+            if call.held:
+                what = {ZeroExercise.SHARDED_STEP: (
+                            "sharded_sgd_step must keep nothing between calls but "
+                            "momentum_shards: a full-size momentum or a cached gathered "
+                            "parameter is the N-fold memory that ZeRO-1 removes"),
+                        ZeroExercise.FSDP_FORWARD: (
+                            "the gathered vector must be freed before returning (FSDP's "
+                            "reshard): keep no reference to it, or to a view of it (weight, "
+                            "bias), in a global, a cache or an attribute"),
+                        ZeroExercise.REDUCE_SCATTER_GRAD: (
+                            "keep nothing but the returned shard: a rank holds 1/N of the "
+                            "gradient")}[exercise]
+                return (f"{at}rank {r}: {call.held} bytes allocated during the call were still "
+                        f"alive after it returned, once every case had run (the padded "
+                        f"tensor(s) hold {full} bytes): {what}.")
+    if n == 1:
+        return ""
+    bound = (n - 1) * sum(ks) * _F32
+    for step in range(steps):
+        at = f"step {step + 1}: " if exercise is ZeroExercise.SHARDED_STEP else ""
+        sent = [calls[r][step].sent for r in range(n)]
+        worst = max(range(n), key=lambda r: (sent[r], -r))
+        call = calls[worst][step]
+        if call.all_reduced:
+            return (f"{at}rank {worst}: the values are right, but it made an all-reduce of "
+                    f"{call.all_reduced} elements, which sends 2(N-1)/N·S, twice what "
+                    f"{exercise.collective} sends ((N-1)/N·S = {bound} bytes here): each rank "
+                    f"has only its own shard to contribute, so {exercise.collective} of the "
+                    "shards is all it takes.")
+        if sent[worst] > bound:
+            return (f"{at}rank {worst}: the values are right, but it sent {sent[worst]:g} bytes, "
+                    f"more than {exercise.collective} of the padded tensor(s): (N-1)/N·S = "
+                    f"{bound} bytes (S = N·k·4 = {full}). Make {exercise.collective} per "
+                    "tensor, of k = ceil(numel / N) elements per rank, and nothing else.")
+        lower = (n - 1) * sum(numels) * _F32
+        if sum(sent) < lower:
+            return (f"{at}the values are right, but the ranks sent only {sum(sent):g} bytes in "
+                    f"all, less than the (N-1)·numel·4 = {lower} bytes that {n} ranks must "
+                    f"exchange: every rank must send its shard ({exercise.collective}), not "
+                    "compute the others' itself.")
+    return ""
+
+
+# --- judging failures ---------------------------------------------------------------------------
+
+
+def _clean_traceback(text: str) -> str:
+    """The learner's part of a rank's traceback: this module's frames and the case note
+    dropped, notebook cell paths (which hold the kernel's pid) made stable."""
+    lines, keep = [], True
+    for line in text.splitlines():
+        if line.startswith("  File "):
+            keep = __file__ not in line
+        elif not line.startswith("    "):
+            keep = True
+        if keep and not line.startswith(_CASE_NOTE):
+            lines.append(line)
+    return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', "\n".join(lines))
+
+
+_PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor zero-padded to "
+                 "N*k elements, rank r owning elements [r*k, (r+1)*k)")
+
+
+def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
+    # Ranks that fail the same way at once: name the lowest, so the verdict is stable (but not
+    # one that only lost the peer that failed first).
+    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank
+                   and not f.peer_lost), key=lambda f: f.rank)
+    rank, tb = (same[0].rank, same[0].traceback) if same else (err.rank, err.remote_traceback)
+    if err.exc_type == "RankDied":
+        return (f"with {n} rank(s), rank {rank} died. gloo ends a process when a message does "
+                "not fit the buffer posted to receive it: every rank must pass shards of the "
+                f"same size to the collective ({_PADDING_HINT}).")
+    found = re.search(re.escape(_CASE_NOTE) + r" (\d+)", tb)
+    case = plan.cases[int(found.group(1))] if found else None
+    where = f"with {n} rank(s), {case.describe(plan.exercise)}" if case else f"with {n} rank(s)"
+    if err.exc_type == CollectiveUsedError.__name__:
+        called = re.search(r"Exercise [\d.]+: no all-reduce.*", tb)
+        return f"{where}: {called.group(0) if called else str(err).splitlines()[0]}."
+    hint = ""
+    if case is not None and case.uneven(plan.exercise, n):
+        numels = " and ".join(str(m) for m in case.numels(plan.exercise) if m % n)
+        hint = (f" {n} does not divide numel {numels}: if it works when it does, check the "
+                f"padding ({_PADDING_HINT}).")
+    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{_clean_traceback(tb)}"
+
+
+def _explain_timeout(plan: _Plan, n: int, err: LaunchTimeout, timeout: float) -> str:
+    stacks = [err.stacks.get(r, "") for r in err.ranks]
+    if any(stacks) and all("_join_group" in s for s in stacks if s):
+        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
+                "machine may be busy: pass a larger timeout=.")
+    where = ""
+    for r in err.ranks:
+        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
+                  if not any(part in line for part in ("/torch/", "/labs/", "<frozen "))]
+        if frames:
+            cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
+            where = f" Rank {r} was waiting at {cell}."
+            break
+    return (f"with {n} rank(s), rank(s) {_ranks_text(err.ranks)} hung for {timeout:g} s.{where} "
+            f"A rank waits forever in a collective that a peer never makes: every rank must "
+            f"make {plan.exercise.collective} of every tensor, in the same order, even a rank "
+            "whose shard is only padding.")
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+_JUDGES = {ZeroExercise.SHARDED_STEP: _judge_step, ZeroExercise.FSDP_FORWARD: _judge_forward,
+           ZeroExercise.REDUCE_SCATTER_GRAD: _judge_grad}
+
+
+def _judge(plan: _Plan, n: int, results: Sequence[list[list[_Call]]]) -> str:
+    """What is wrong in the most telling failing case (values first, then memory and traffic),
+    with a hint when only the numels that N does not divide fail."""
+    verdicts = []
+    for index, case in enumerate(plan.cases):
+        calls = [per_rank[index] for per_rank in results]
+        verdicts.append(_JUDGES[plan.exercise](n, index, case, plan.seed, calls)
+                        or _judge_cost(plan.exercise, n, case, calls))
+    failed = [i for i, v in enumerate(verdicts) if v]
+    if not failed:
+        return ""
+    # The most telling case: one that N divides if any fails (the shards hold no padding), the
+    # largest of those (a shifted shard or a swapped weight and bias cannot match by chance).
+    even = [i for i in failed if not plan.cases[i].uneven(plan.exercise, n)]
+    shown = max(even or failed, key=lambda i: (plan.cases[i].numel, -i))
+    message = f"with {n} rank(s), {plan.cases[shown].describe(plan.exercise)}, {verdicts[shown]}"
+    divides = [i for i, c in enumerate(plan.cases) if not c.uneven(plan.exercise, n)]
+    if divides and not set(divides) & set(failed):
+        message += (f" It is right where {n} divides every numel, wrong where it does not: "
+                    f"check the padding ({_PADDING_HINT}).")
+    return message
+
+
+def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence[int], seed: int,
+           timeout: float) -> CheckResult:
+    _validate(fn, world_sizes, seed, timeout)
+    plan = _Plan.make(exercise, world_sizes, seed)
+
+    def fail(message: str) -> CheckResult:
+        return _report(CheckResult(exercise.title, False, message + plan.note()))
+
+    problem = _signature_problem(exercise, fn)  # type: ignore[arg-type]  # duck-typed
+    if problem:
+        return fail(problem)
+    for n in plan.world_sizes:
+        try:
+            # gloo even where there are GPUs: the inputs are CPU tensors.
+            results = launch(_rank_run, n, args=(fn, exercise, plan.cases, seed),
+                             backend="gloo", timeout=timeout, echo=False)
+        except RankError as err:
+            return fail(_explain_error(plan, n, err))
+        except LaunchTimeout as err:
+            return fail(_explain_timeout(plan, n, err, timeout))
+        verdict = _judge(plan, n, results)
+        if verdict:
+            return fail(verdict)
+    sizes = ", ".join(map(str, plan.world_sizes))
+    shapes = f"shapes {_shapes_text(_SHAPES)}"
+    cost = f"no rank sent more than {exercise.collective}'s (N-1)/N·S bytes"
+    what = {
+        ZeroExercise.SHARDED_STEP: (
+            f"after each of {STEPS} steps every rank holds exactly the parameters of SGD with "
+            f"momentum in one process, and the momentum of its own shard, on {sizes} rank(s), "
+            f"for {shapes}, one at a time, then {_shapes_text(_TOGETHER)} in one call; {cost} "
+            "or kept anything between calls but its momentum shards"),
+        ZeroExercise.FSDP_FORWARD: (
+            f"every rank returns exactly F.linear with the full weight and bias on {sizes} "
+            f"rank(s), for Linear{', Linear'.join(map(str, _LINEARS))}; {cost}, and the "
+            "gathered vector was freed before returning"),
+        ZeroExercise.REDUCE_SCATTER_GRAD: (
+            "rank r gets the k = ceil(numel / N) elements [r*k, (r+1)*k) of the mean of the "
+            f"zero-padded gradients, grad unchanged, on {sizes} rank(s), for {shapes}; {cost} "
+            "(no all-reduce) or kept anything but its shard"),
+    }[exercise]
+    return _report(CheckResult(exercise.title, True, f"{what}.{plan.note()}"))
+
+
+def check_sharded_sgd_step(
+    sharded_sgd_step: Callable[..., object],
+    world_sizes: Sequence[int] = (1, 2, 3, 4),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 6.1: ``sharded_sgd_step(params, momentum_shards, lr, beta)``, called under
+    ``torch.no_grad()`` with every rank holding the same parameters and mean gradients, must
+    update in place each ``momentum_shards[i]`` (1-D, k = ceil(numel / N) elements: this
+    rank's shard of the momentum, kept by the rank between calls) as ``m = beta * m +
+    g_shard``, then ``p_shard -= lr * m``, and all-gather the updated shards into every ``p``
+    in place. After each of 3 steps every rank must hold exactly the parameters of SGD with
+    momentum in one process; no rank may send more than an all-gather's (N-1)/N·S bytes or
+    keep anything alive after the call.
+
+    A non-zero ``seed`` also runs one more world size (5 or 6) and two other parameter
+    shapes, drawn from ``random.Random(seed)``; the verdict names them."""
+    return _check(ZeroExercise.SHARDED_STEP, sharded_sgd_step, world_sizes, seed, timeout)
+
+
+def check_fsdp_linear_forward(
+    fsdp_linear_forward: Callable[..., torch.Tensor],
+    world_sizes: Sequence[int] = (1, 2, 3, 4),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 6.2: ``fsdp_linear_forward(shard, in_features, out_features, x)``, with
+    ``shard`` this rank's k elements of the zero-padded flat vector ``cat(weight.flatten(),
+    bias)`` of a ``Linear(in_features, out_features)``, must all-gather the vector, return
+    exactly ``x @ weight.T + bias`` (called under ``torch.no_grad()``), and free the gathered
+    vector before returning: nothing made during the call but the output may be alive after
+    it. No rank may send more than an all-gather's (N-1)/N·S bytes.
+
+    A non-zero ``seed`` also runs one more world size (5 or 6) and another Linear, drawn from
+    ``random.Random(seed)``; the verdict names them."""
+    return _check(ZeroExercise.FSDP_FORWARD, fsdp_linear_forward, world_sizes, seed, timeout)
+
+
+def check_reduce_scatter_grad(
+    reduce_scatter_grad: Callable[[torch.Tensor], torch.Tensor],
+    world_sizes: Sequence[int] = (1, 2, 3, 4),
+    seed: int = 0,
+    timeout: float = CHECK_TIMEOUT_S,
+) -> CheckResult:
+    """Exercise 6.3: ``reduce_scatter_grad(grad)`` must return on rank r a 1-D tensor of
+    k = ceil(numel / N) elements, elements [r*k, (r+1)*k) of the mean over ranks of the
+    flattened, zero-padded gradients (rtol=1e-6, atol=1e-6), leave ``grad`` unchanged, make
+    no all-reduce (refused inside the check), and send at most a reduce-scatter's (N-1)/N·S
+    bytes.
+
+    A non-zero ``seed`` also runs one more world size (5 or 6) and two other gradient shapes,
+    drawn from ``random.Random(seed)``; the verdict names them."""
+    return _check(ZeroExercise.REDUCE_SCATTER_GRAD, reduce_scatter_grad, world_sizes, seed,
+                  timeout)
