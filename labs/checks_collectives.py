@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from labs.checks import CHECK_TIMEOUT_S, CheckResult, _report
+from labs.checks import CASE_NOTE, CHECK_TIMEOUT_S, CheckResult, _report, clean_traceback
 from labs.collectives import Collective, shard_bounds
 from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, launch
 
@@ -57,8 +57,6 @@ _GROUP_COLLECTIVES = (
     "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather", "scatter",
 )
 _P2P = "dist.isend/irecv, send/recv, batch_isend_irecv"
-#: Tagged onto an exception raised by the learner's code, so the parent knows the case.
-_CASE_NOTE = "[labs check] case"
 #: Inputs are integers in [1, 9]: sums over at most 32 ranks are exact in float32, and a sum
 #: over some of the ranks is smaller than the sum over all of them in every element.
 _LOW, _HIGH = 1, 10
@@ -304,7 +302,7 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Exer
                 after, returned = _call(fn, exercise, seed, world_size, rank, index, case)
             except BaseException as exc:
                 if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
-                    exc.add_note(f"{_CASE_NOTE} {index}")
+                    exc.add_note(f"{CASE_NOTE} {index}")
                 raise
             copy = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
             outcomes.append(_Outcome(after.detach().clone(), copy, type(returned).__name__,
@@ -585,22 +583,6 @@ def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
 # --- judging failures ---------------------------------------------------------------------------
 
 
-def _clean_traceback(text: str) -> str:
-    """The learner's part of a rank's traceback: this module's frames and the case note
-    dropped, notebook cell paths (which hold the kernel's pid) made stable."""
-    here = __file__
-    lines, keep = [], True
-    for line in text.splitlines():
-        if line.startswith("  File "):
-            keep = here not in line
-        elif not line.startswith("    "):
-            keep = True
-        if keep and not line.startswith(_CASE_NOTE):
-            lines.append(line)
-    cleaned = "\n".join(lines)
-    return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', cleaned)
-
-
 def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: RankError) -> str:
     first_line = str(err).splitlines()[0]
     # Ranks that fail the same way at once: name the lowest, so the verdict is stable.
@@ -613,7 +595,7 @@ def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: Ra
                 "message does not fit the buffer posted to receive it: every send needs a "
                 "receive of the same number of elements on the other side; check the chunk "
                 f"sizes ({_CHUNKS_HINT}).")
-    found = re.search(re.escape(_CASE_NOTE) + r" (\d+)", tb)
+    found = re.search(re.escape(CASE_NOTE) + r" (\d+)", tb)
     case = cases[int(found.group(1))] if found else None
     where = f"with {n} rank(s), {case.describe()}" if case else f"with {n} rank(s)"
     if err.exc_type == CollectiveUsedError.__name__:
@@ -625,7 +607,7 @@ def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: Ra
                 f"sizes ({_CHUNKS_HINT}; some chunks are empty when numel < N).")
     elif case is not None and len(case.shape) > 1:
         hint = " The input is 2-D: work on tensor.view(-1)."
-    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{_clean_traceback(tb)}"
+    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{clean_traceback(tb, __file__)}"
 
 
 def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,

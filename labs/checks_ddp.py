@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.distributed import distributed_c10d
 
-from labs.checks import CHECK_TIMEOUT_S, CheckResult, _report
+from labs.checks import CASE_NOTE, CHECK_TIMEOUT_S, CheckResult, _report, clean_traceback
 from labs.launch import LaunchTimeout, RankError, launch
 
 #: Samples in the check's batch: lcm(1..8), so every world size up to 8 gets an equal shard.
@@ -62,8 +62,6 @@ _MIB = 2**20
 #: The documented bucket caps of check 5.2, in bytes: one parameter per bucket, a cap that
 #: a bucket reaches exactly (it closes at >=), and one bucket for everything.
 _DOCUMENTED_CAPS = (1, 400, 25 * _MIB)
-#: Tagged onto an exception raised by the learner's code, so the parent knows the case.
-_CASE_NOTE = "[labs check] case"
 
 
 class DDPExercise(enum.Enum):
@@ -496,7 +494,7 @@ def _rank_run(rank: int, world_size: int, wrapper_class: type, exercise: DDPExer
                                       seed, log))
             except BaseException as exc:
                 if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
-                    exc.add_note(f"{_CASE_NOTE} {index}")
+                    exc.add_note(f"{CASE_NOTE} {index}")
                 raise
     return records
 
@@ -765,20 +763,6 @@ def _first_wrong_call(where: str, records: Sequence[_CaseRecord],
 # --- judging failures ---------------------------------------------------------------------------
 
 
-def _clean_traceback(text: str) -> str:
-    """The learner's part of a rank's traceback: this module's frames and the case note
-    dropped, notebook cell paths (which hold the kernel's pid) made stable."""
-    lines, keep = [], True
-    for line in text.splitlines():
-        if line.startswith("  File "):
-            keep = __file__ not in line
-        elif not line.startswith("    "):
-            keep = True
-        if keep and not line.startswith(_CASE_NOTE):
-            lines.append(line)
-    return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', "\n".join(lines))
-
-
 _ERROR_HINTS = (
     ("doesn't require gradient", " Register hooks only on parameters with requires_grad=True: "
                                  "a frozen parameter never gets a gradient."),
@@ -799,11 +783,11 @@ def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
     same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank),
                   key=lambda f: f.rank)
     rank, tb = (same[0].rank, same[0].traceback) if same else (err.rank, err.remote_traceback)
-    found = re.search(re.escape(_CASE_NOTE) + r" (\d+)", tb)
+    found = re.search(re.escape(CASE_NOTE) + r" (\d+)", tb)
     case = plan.cases[int(found.group(1))] if found else None
     hint = next((h for key, h in _ERROR_HINTS if key in tb), "")
     return (f"{_where(n, case)}: rank {rank} raised {err.exc_type}.{hint}\n"
-            f"{_clean_traceback(tb)}")
+            f"{clean_traceback(tb, __file__)}")
 
 
 def _explain_timeout(n: int, err: LaunchTimeout, timeout: float) -> str:

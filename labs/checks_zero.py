@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed import distributed_c10d
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from labs.checks import CHECK_TIMEOUT_S, CheckResult, _report
+from labs.checks import CASE_NOTE, CHECK_TIMEOUT_S, CheckResult, _report, clean_traceback
 from labs.checks_collectives import (
     CollectiveUsedError,
     _first_difference,
@@ -78,8 +78,6 @@ _TOGETHER = (_SHAPES[0], _SHAPES[1], _SHAPES[-1])
 #: (in_features, out_features) of 6.2: flat numels 2 (< 3 and 4), 8, 15 and 35.
 _LINEARS = ((1, 1), (3, 2), (4, 3), (6, 5))
 _DRAWN_WORLD_SIZES = (5, 6)
-#: Tagged onto an exception raised by the learner's code, so the parent knows the case.
-_CASE_NOTE = "[labs check] case"
 
 
 class ZeroExercise(enum.Enum):
@@ -456,7 +454,7 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Zero
                 results.append(run(fn, rank, world_size, index, case, seed, traffic, inputs))
             except BaseException as exc:
                 if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
-                    exc.add_note(f"{_CASE_NOTE} {index}")
+                    exc.add_note(f"{CASE_NOTE} {index}")
                 raise
     _settle([ref for calls in results for _, made in calls for ref in made])
     return [[replace(call, held=_alive_bytes(made)) for call, made in calls] for calls in results]
@@ -723,20 +721,6 @@ def _judge_cost(exercise: ZeroExercise, n: int, case: _Case,
 # --- judging failures ---------------------------------------------------------------------------
 
 
-def _clean_traceback(text: str) -> str:
-    """The learner's part of a rank's traceback: this module's frames and the case note
-    dropped, notebook cell paths (which hold the kernel's pid) made stable."""
-    lines, keep = [], True
-    for line in text.splitlines():
-        if line.startswith("  File "):
-            keep = __file__ not in line
-        elif not line.startswith("    "):
-            keep = True
-        if keep and not line.startswith(_CASE_NOTE):
-            lines.append(line)
-    return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', "\n".join(lines))
-
-
 _PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor zero-padded to "
                  "N*k elements, rank r owning elements [r*k, (r+1)*k)")
 
@@ -751,7 +735,7 @@ def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
         return (f"with {n} rank(s), rank {rank} died. gloo ends a process when a message does "
                 "not fit the buffer posted to receive it: every rank must pass shards of the "
                 f"same size to the collective ({_PADDING_HINT}).")
-    found = re.search(re.escape(_CASE_NOTE) + r" (\d+)", tb)
+    found = re.search(re.escape(CASE_NOTE) + r" (\d+)", tb)
     case = plan.cases[int(found.group(1))] if found else None
     where = f"with {n} rank(s), {case.describe(plan.exercise)}" if case else f"with {n} rank(s)"
     if err.exc_type == CollectiveUsedError.__name__:
@@ -762,7 +746,7 @@ def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
         numels = " and ".join(str(m) for m in case.numels(plan.exercise) if m % n)
         hint = (f" {n} does not divide numel {numels}: if it works when it does, check the "
                 f"padding ({_PADDING_HINT}).")
-    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{_clean_traceback(tb)}"
+    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{clean_traceback(tb, __file__)}"
 
 
 def _explain_timeout(plan: _Plan, n: int, err: LaunchTimeout, timeout: float) -> str:
