@@ -5,7 +5,7 @@
 
 Memory: the most bytes of parameters, gradients and Adam state that rank 0 held at any moment
 of one step (every gather, free and reduce-scatter of FSDP is a snapshot; labs.memory counts
-the tensors' storages), for DDP (labs.ddp.DDP, its gradient buckets shown apart) and FSDP
+the tensors' storages), communication buffers shown apart, for DDP (labs.ddp.DDP) and FSDP
 (labs.fsdp.FSDP, one unit per Linear layer). Step time: the median over steps of the slowest
 rank's Adam step, DDP and FSDP alternating in one launch, at each batch size. The defaults
 give 10.5 M parameters in 40 layers.
@@ -45,7 +45,7 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     reports = {s: launch(memory_worker, opts.memory_world_size, args=(settings, s),
                          echo=False, timeout=600)[0] for s in (Strategy.DDP, Strategy.ZERO3)}
     ddp, fsdp = reports[Strategy.DDP], reports[Strategy.ZERO3]
-    with_buckets = ddp.bytes(ddp.peak, tuple(Group))
+    ddp_all, fsdp_all = (max(r.bytes(s, tuple(Group)) for s in r.snapshots) for r in (ddp, fsdp))
     print(f"{settings.parameters / 1e6:.1f} M parameters ({settings.layers} x Linear("
           f"{settings.width}, {settings.width})), Adam, fp32; memory at world size "
           f"{opts.memory_world_size}, rank 0")
@@ -54,8 +54,9 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     print(format_table(["strategy", "peak MiB (params + grads + Adam)", "at",
                         "bytes / parameter"], rows))
     print(f"FSDP / DDP: {fsdp.peak_bytes / ddp.peak_bytes:.3f} (1/N = "
-          f"{1 / opts.memory_world_size:.3f}); with DDP's gradient buckets counted "
-          f"({with_buckets / mib:.1f} MiB): {fsdp.peak_bytes / with_buckets:.3f}\n")
+          f"{1 / opts.memory_world_size:.3f}); with communication buffers counted too (DDP's "
+          f"gradient buckets, what FSDP's reduce-scatters receive into): {fsdp_all / mib:.1f} / "
+          f"{ddp_all / mib:.1f} MiB = {fsdp_all / ddp_all:.3f}\n")
     rows = []
     for batch in opts.batches:
         timed = StepSettings(width=opts.width, layers=opts.layers, batch=batch,

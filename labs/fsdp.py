@@ -72,6 +72,27 @@ class _Place:
 
 
 @dataclass
+class _Reduction:
+    """An in-flight reduce-scatter of a unit's full gradient (torch collectives)."""
+
+    work: Any
+    """The ``dist.Work`` to wait for."""
+    full_grad: torch.Tensor
+    """The input: it must live until the work is done."""
+    received: torch.Tensor
+    """The output shard, or (all-to-all) the N pieces of this rank's shard, one per rank."""
+    pieces: int
+    """How many pieces ``received`` holds (1: the shard itself)."""
+
+    def land(self) -> torch.Tensor:
+        """Wait; return this rank's shard of the sum over ranks."""
+        self.work.wait()
+        if self.pieces == 1:
+            return self.received
+        return self.received.view(self.pieces, -1).sum(0)
+
+
+@dataclass(eq=False)  # units compare by identity (the fields hold tensors)
 class FlatUnit:
     """One unit: its parameters as one flat vector, this rank's fp32 shard, the full vector."""
 
@@ -95,16 +116,21 @@ class FlatUnit:
     hooks: list[Any] = field(default_factory=list)
     gather: Any = None
     """The in-flight all-gather's ``dist.Work`` while GATHERING."""
-    reduce: Any = None
-    """(work, output, full gradient) of an in-flight reduce-scatter (torch collectives)."""
+    reduce: _Reduction | None = None
+    """The in-flight reduce-scatter of the unit's gradient (torch collectives)."""
 
     @property
     def padded_numel(self) -> int:
         return self.full.numel()
 
     def views(self) -> Iterator[tuple[list[_Place], torch.Tensor]]:
-        for places, shape, offset in zip(self.places, self.shapes, self.offsets, strict=True):
-            yield places, self.full[offset:offset + shape.numel()].view(shape)
+        """Each parameter's view of the full vector. One split, not a slice per parameter:
+        in backward a split's gradient is one concatenation of the pieces' gradients, where
+        each slice would zero a full-sized tensor, copy its piece in, and the zeros be summed."""
+        sizes = [shape.numel() for shape in self.shapes]
+        pieces = self.full.split([*sizes, self.padded_numel - self.numel])
+        for places, shape, piece in zip(self.places, self.shapes, pieces, strict=False):
+            yield places, piece.view(shape)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -142,13 +168,22 @@ def _all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.Process
 
 
 def _reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
-                         group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor, Any]:
-    """Start torch.distributed's reduce-scatter (SUM) of ``full_grad`` (1-D, N x shard);
-    return (work, output shard, the input, which must live until the work is done)."""
-    out = torch.empty(full_grad.numel() // world_size, dtype=full_grad.dtype,
-                      device=full_grad.device)
+                         group: dist.ProcessGroup | None) -> _Reduction:
+    """Start a reduce-scatter (SUM) of ``full_grad`` (1-D, N x shard), asynchronously.
+
+    gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on gloo is an
+    all-reduce of the whole tensor followed by a copy, twice the bytes of a reduce-scatter.
+    On gloo this sends piece j of the gradient to rank j with one all-to-all and sums the N
+    pieces that arrive, the direct algorithm: (N-1)/N x S sent per rank, as in the ring, in
+    the background, at the cost of an S-sized receive buffer while it is in flight."""
+    shard_numel = full_grad.numel() // world_size
+    if world_size > 1 and dist.get_backend(group) == "gloo":
+        received = torch.empty_like(full_grad)
+        work = dist.all_to_all_single(received, full_grad, group=group, async_op=True)
+        return _Reduction(work, full_grad, received, world_size)
+    out = torch.empty(shard_numel, dtype=full_grad.dtype, device=full_grad.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, full_grad, group=group, async_op=True), out, full_grad
+    return _Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -184,9 +219,8 @@ class FSDP(nn.Module):
             reduce-scatter, asynchronous: the next unit's all-gather is started while this one
             computes (prefetch, in the order of the last step's forward and backward), and a
             unit's reduce-scatter travels while the next unit computes its gradient. (gloo
-            has no reduce-scatter of its own: torch emulates it with an all-reduce, twice the
-            bytes; measured here it is still faster than chapter 3's ring called in the hook,
-            because it runs in the background.) ``Algorithm.RING``: chapters 3 and 4's ring
+            has no reduce-scatter of its own; on gloo it is an all-to-all and a local sum,
+            see :func:`_reduce_scatter_from`.) ``Algorithm.RING``: chapters 3 and 4's ring
             for everything, one collective at a time, every byte counted by ``recorder``.
         recorder: counts the bytes this rank sends (with ``Algorithm.RING``).
     """
@@ -390,10 +424,9 @@ class FSDP(nn.Module):
 
     def _land_reduce(self, unit: FlatUnit) -> None:
         if unit.reduce is not None:
-            work, out, _full_grad = unit.reduce  # the input stays alive until it has landed
-            work.wait()
+            summed = unit.reduce.land()
             unit.reduce = None
-            self._add_grad(unit, out)
+            self._add_grad(unit, summed)
 
     def _add_grad(self, unit: FlatUnit, summed: torch.Tensor) -> None:
         """Add shard r of the sum over ranks, divided by N, to the shard's fp32 gradient."""

@@ -21,7 +21,7 @@ from labs.zero_experiments import (
 
 _GROUPS = (Group.PARAMETERS, Group.GRADIENTS, Group.OPTIMIZER)
 _COLOURS = {Group.PARAMETERS: "tab:blue", Group.GRADIENTS: "tab:orange",
-            Group.OPTIMIZER: "tab:green", Group.BUCKETS: "tab:gray"}
+            Group.OPTIMIZER: "tab:green", Group.BUFFERS: "tab:gray"}
 
 
 def closed_form(strategy: Strategy, world_size: int) -> BytesPerParameter:
@@ -60,7 +60,7 @@ def plot_memory_by_stage(reports: dict[tuple[Strategy, int], MemoryReport],
             report = reports[(strategy, n)]
             final = report.final.bytes_by_group()
             bottom = 0.0
-            for group in (*_GROUPS, Group.BUCKETS):
+            for group in (*_GROUPS, Group.BUFFERS):
                 height = final.get(group.value, 0) / report.parameters
                 if height:
                     ax.bar(x, height, bottom=bottom, color=_COLOURS[group],

@@ -48,7 +48,8 @@ class Group(enum.Enum):
     PARAMETERS = "parameters"
     GRADIENTS = "gradients"
     OPTIMIZER = "optimizer state"
-    BUCKETS = "DDP gradient buckets"
+    BUFFERS = "communication buffers"
+    """DDP's gradient buckets; what FSDP's in-flight reduce-scatters receive into."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,15 @@ def holdings(strategy: Strategy, model: nn.Module, optimizer: object) -> dict[st
         params = [u.shard.detach() for u in model.units] + [u.full.detach() for u in model.units]
         params += [p.detach() for p in model.module.parameters()]  # frozen ones stay whole
         grads = [u.shard.grad for u in model.units] + [u.full.grad for u in model.units]
+        in_flight = [u.reduce for u in model.units if u.reduce is not None]
+        grads += [r.full_grad for r in in_flight]  # full gradients until their reduce lands
+        buffers = [r.received for r in in_flight]
         state = optimizer
     elif strategy is Strategy.DDP:
         assert isinstance(model, DDP)
         params = [p.detach() for p in model.module.parameters()]
         grads = [p.grad for p in model.module.parameters()]
+        buffers = [b.buffer for b in model.buckets]
         state = optimizer
     else:
         assert isinstance(optimizer, ShardedOptimizer)
@@ -118,12 +123,10 @@ def holdings(strategy: Strategy, model: nn.Module, optimizer: object) -> dict[st
         grads = [s.param.grad for s in optimizer.sharded] + [s.shard.grad
                                                               for s in optimizer.sharded]
         state = optimizer.optimizer
-    out: dict[str, object] = {Group.PARAMETERS.value: params,
-                              Group.GRADIENTS.value: [g for g in grads if g is not None],
-                              Group.OPTIMIZER.value: state}
-    if strategy is Strategy.DDP:
-        out[Group.BUCKETS.value] = [b.buffer for b in model.buckets]  # type: ignore[union-attr]
-    return out
+        buffers = []  # ZeRO-1/2 reduce-scatter with the ring, one gradient at a time
+    return {Group.PARAMETERS.value: params,
+            Group.GRADIENTS.value: [g for g in grads if g is not None],
+            Group.OPTIMIZER.value: state, Group.BUFFERS.value: buffers}
 
 
 def memory_worker(rank: int, world_size: int, settings: StepSettings,

@@ -38,7 +38,7 @@ def test_steady_state_bytes_per_parameter_follow_the_stage(world_size):
         # Adam also keeps a 4-byte step count per tensor it updates (16 at most here)
         assert final[Group.OPTIMIZER.value] == pytest.approx(state * P, abs=4 * 16)
     ddp = reports[(Strategy.DDP, n)]
-    assert ddp.final.bytes_by_group()[Group.BUCKETS.value] == 4 * P
+    assert ddp.final.bytes_by_group()[Group.BUFFERS.value] == 4 * P
     # the peaks: DDP holds everything at once; ZeRO-1 holds full gradients until the step;
     # ZeRO-2 and FSDP add what is in flight to 1/N of the rest
     assert ddp.peak_bytes == pytest.approx(16 * P, abs=4 * 16)

@@ -257,9 +257,12 @@ where it carries updated parameters instead of gradients. ZeRO-3 sends half as m
 $3\frac{N-1}{N}S$: the parameters are all-gathered twice, once for forward and once for
 backward, because they were freed in between. That is the price of holding $1/N$ of them.
 
-(With torch's collectives on gloo, FSDP's reduce-scatter costs more than this: gloo has no
-reduce-scatter of its own, and torch emulates it with an all-reduce, twice the bytes. The
-ring counted above does not.)
+(gloo has no reduce-scatter of its own: torch's `reduce_scatter_tensor` on gloo is an
+all-reduce followed by a copy, twice the bytes. So when `labs.fsdp.FSDP` runs on gloo with
+torch's collectives, it reduce-scatters with one all-to-all instead: piece $j$ of the gradient
+goes straight to rank $j$, which sums the $N$ pieces that arrive. That direct algorithm sends
+$\frac{N-1}{N}S$ per rank, like the ring, in a single asynchronous call; the price is a
+receive buffer as large as the unit's gradient while it is in flight.)
 
 ## torch's FSDP2: `fully_shard`
 """),
