@@ -54,8 +54,8 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     print(format_table(["strategy", "peak MiB (params + grads + Adam)", "at",
                         "bytes / parameter"], rows))
     print(f"FSDP / DDP: {fsdp.peak_bytes / ddp.peak_bytes:.3f} (1/N = "
-          f"{1 / opts.memory_world_size:.3f}); with communication buffers counted too (DDP's "
-          f"gradient buckets, what FSDP's reduce-scatters receive into): {fsdp_all / mib:.1f} / "
+          f"{1 / opts.memory_world_size:.3f})\nwith communication buffers too (DDP's gradient "
+          f"buckets, what FSDP's reduce-scatters receive into): {fsdp_all / mib:.1f} / "
           f"{ddp_all / mib:.1f} MiB = {fsdp_all / ddp_all:.3f}\n")
     rows = []
     for batch in opts.batches:

@@ -262,3 +262,17 @@ def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:
     assert pooled.seconds == 6.5  # the median of all six, not of the two medians
     assert not pooled.correct
     assert bench._pool([first, first]).correct
+
+
+def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):
+    """`python -m labs.bench ddp` and `fsdp` on a tiny model: real ranks, every row printed."""
+    bench.main(["ddp", "--world-size", "2", "--width", "32", "--layers", "2", "--batch", "4",
+                "--steps", "2", "--launches", "1"])
+    out = capsys.readouterr().out
+    for row in ("NaiveDDP", "DDP (25 MiB)", "torch DDP (25 MiB)", "1.00x"):
+        assert row in out, out
+    bench.main(["fsdp", "--width", "32", "--layers", "2", "--memory-world-size", "2",
+                "--batches", "4", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "FSDP / DDP: " in out and "with communication buffers too" in out, out
+    assert out.count("x\n") >= 1 and "FSDP (ZeRO-3)" in out, out
