@@ -230,6 +230,8 @@ def launch(
         RankError: a rank raised; names the rank that failed first and carries its traceback.
         LaunchTimeout: ranks still running after ``timeout`` seconds (they are killed).
     """
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(_MAIN_GUARD)
     chosen = _check_inputs(fn, world_size, args, backend, timeout)
     payload = _serialise(fn, args)
     started = time.monotonic()
@@ -557,15 +559,27 @@ def _receive(r: _Rank) -> tuple[str, Any]:
         return "error", _died(r)
 
 
+#: A rank process imports the main script before it runs anything (forkserver and spawn do),
+#: so a script that calls launch() at module level would launch again from every rank.
+_MAIN_GUARD = (
+    "launch() was called while a rank process was importing the main script. Every rank "
+    "imports it first, so a call at module level runs again in each rank: put it under "
+    "`if __name__ == \"__main__\":`.")
+
+
 def _died(r: _Rank) -> RankFailure:
     r.process.join(timeout=1.0)
     code = r.process.exitcode
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+    hint = ""
+    if code == 1 and getattr(sys.modules.get("__main__"), "__file__", None):
+        hint = (" If the script calls launch() at module level, put the call under "
+                "`if __name__ == \"__main__\":` (every rank imports the main script first).")
     return RankFailure(
         rank=r.spec.rank, exc_type="RankDied",
         message=f"the process of rank {r.spec.rank} {how} before returning a result",
         traceback="(no Python traceback: the process ended without raising; look at its "
-        "output above, or for os._exit, sys.exit in C code or a crash)",
+        f"output above, or for os._exit, sys.exit in C code or a crash.{hint})",
         when=time.time(),
     )
 

@@ -538,3 +538,18 @@ def test_shutdown_leaves_no_process_at_all(procs):
     while (left := procs.descendants()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, left
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """Each rank imports the main script first: a module-level launch() would launch again
+    from inside every rank. The ranks say why they stopped, and the parent says what to do."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from labs import launch\n\n\ndef worker(rank, world_size):\n"
+                      "    return rank\n\n\nlaunch(worker, 2, echo=False)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(labs.__file__).parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode != 0
+    assert "RuntimeError: launch() was called while a rank process was importing the main " \
+           "script" in done.stderr, done.stderr
+    assert 'put the call under `if __name__ == "__main__":`' in done.stderr, done.stderr
