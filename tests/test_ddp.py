@@ -8,34 +8,21 @@ starts from a *different* initialisation, so the broadcast at construction is te
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs import RankError, launch
+from labs import RankError, launch, models
 from labs.ddp import DDP, NaiveDDP, assign_buckets, params_in_graph, trainable_parameters
 
 VOCAB, DIM, BATCH = 11, 6, 8
 
 
-class TiedNet(nn.Module):
-    """Embedding tied to the output layer, a frozen layer, and a buffer used in forward."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.hidden = nn.Linear(DIM, DIM)
-        self.frozen = nn.Linear(DIM, DIM)
-        self.frozen.requires_grad_(False)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight  # tied: one parameter, two uses
-        self.register_buffer("scale", torch.full((DIM,), 1.0 + seed))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) * self.scale
-        return self.head(self.frozen(torch.tanh(self.hidden(x))))
+#: Embedding tied to the output layer, a frozen layer, a buffer used in forward.
+TiedNet = partial(models.TiedNet, VOCAB, DIM)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:

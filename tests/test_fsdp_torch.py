@@ -21,7 +21,6 @@ from labs.fsdp_torch import (
     CompareSettings,
     RankReport,
     Sharding,
-    TiedNet,
     apply_fully_shard,
     compare_worker,
     full_value,
@@ -32,6 +31,7 @@ from labs.fsdp_torch import (
     max_abs_difference,
     reference_run,
 )
+from labs.models import TiedNet
 
 AVAILABLE, WHY = fully_shard_available()
 needs_fully_shard = pytest.mark.skipif(not AVAILABLE, reason=WHY)

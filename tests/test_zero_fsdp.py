@@ -8,12 +8,14 @@ build their models from *different* seeds, so the broadcast at construction is t
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs import RankError, launch
+from labs import RankError, launch, models
 from labs.collectives import Algorithm, Recorder
 from labs.fsdp import FSDP, ShardedState
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
@@ -21,24 +23,8 @@ from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 VOCAB, DIM, BATCH, STEPS = 11, 6, 8, 3
 
 
-class TiedNet(nn.Module):
-    """An embedding tied to the output layer, a frozen layer, a buffer; sizes that do not
-    divide by 4 (hidden.bias has 6 elements, the embedding 66)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.hidden = nn.Linear(DIM, DIM)
-        self.frozen = nn.Linear(DIM, DIM)
-        self.frozen.requires_grad_(False)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("scale", torch.full((DIM,), 1.0 + seed))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) * self.scale
-        return self.head(self.frozen(torch.tanh(self.hidden(x))))
+#: Embedding tied to the output layer, a frozen layer, a buffer used in forward.
+TiedNet = partial(models.TiedNet, VOCAB, DIM)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
