@@ -70,6 +70,24 @@ def clean_traceback(text: str, check_module: str) -> str:
     return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', "\n".join(lines))
 
 
+def explain_hang(n: int, err: LaunchTimeout, timeout: float) -> tuple[str | None, str]:
+    """Read a check's :class:`~labs.launch.LaunchTimeout`: ``(verdict, where)``. ``verdict``
+    is the whole explanation when the ranks were still joining the group (a busy machine, not
+    the learner's bug), else None; ``where`` names the first learner frame a hung rank was
+    waiting at (" Rank r was waiting at ..." or "")."""
+    stacks = [err.stacks.get(r, "") for r in err.ranks]
+    if any(stacks) and all("_join_group" in s for s in stacks if s):
+        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
+                "machine may be busy: pass a larger timeout=."), ""
+    for r in err.ranks:
+        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
+                  if not any(part in line for part in ("/torch/", "/labs/", "<frozen "))]
+        if frames:
+            cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
+            return None, f" Rank {r} was waiting at {cell}."
+    return None, ""
+
+
 # --- Exercise 1.1: average_gradients(model) ---------------------------------------------------
 
 

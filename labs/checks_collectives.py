@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from labs.checks import CASE_NOTE, CHECK_TIMEOUT_S, CheckResult, _report, clean_traceback
+from labs.checks import (
+    CASE_NOTE,
+    CHECK_TIMEOUT_S,
+    CheckResult,
+    _report,
+    clean_traceback,
+    explain_hang,
+)
 from labs.collectives import Collective, shard_bounds
 from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, launch
 
@@ -613,18 +620,9 @@ def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: Ra
 def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,
                      timeout: float) -> str:
     numels = ", ".join(str(c.numel) for c in cases)
-    stacks = [err.stacks.get(r, "") for r in err.ranks]
-    if stacks and all("_join_group" in s for s in stacks if s) and any(stacks):
-        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
-                "machine may be busy: pass a larger timeout=.")
-    where = ""
-    for r in err.ranks:
-        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
-                  if "/torch/" not in line and "/labs/" not in line]
-        if frames:
-            cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
-            where = f" Rank {r} was waiting at {cell}."
-            break
+    verdict, where = explain_hang(n, err, timeout)
+    if verdict is not None:
+        return verdict
     return (f"with {n} rank(s) (numel {numels}), rank(s) {_ranks_text(err.ranks)} hung for "
             f"{timeout:g} s.{where} Every send needs a matching receive: on a ring, post the "
             "receive (dist.irecv) before waiting on the send, or use dist.batch_isend_irecv for "

@@ -46,7 +46,14 @@ import torch
 from torch import nn
 from torch.distributed import distributed_c10d
 
-from labs.checks import CASE_NOTE, CHECK_TIMEOUT_S, CheckResult, _report, clean_traceback
+from labs.checks import (
+    CASE_NOTE,
+    CHECK_TIMEOUT_S,
+    CheckResult,
+    _report,
+    clean_traceback,
+    explain_hang,
+)
 from labs.launch import LaunchTimeout, RankError, launch
 
 #: Samples in the check's batch: lcm(1..8), so every world size up to 8 gets an equal shard.
@@ -791,18 +798,9 @@ def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
 
 
 def _explain_timeout(n: int, err: LaunchTimeout, timeout: float) -> str:
-    stacks = [err.stacks.get(r, "") for r in err.ranks]
-    if any(stacks) and all("_join_group" in s for s in stacks if s):
-        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
-                "machine may be busy: pass a larger timeout=.")
-    where = ""
-    for r in err.ranks:
-        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
-                  if "/torch/" not in line and "/labs/" not in line]
-        if frames:
-            cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
-            where = f" Rank {r} was waiting at {cell}."
-            break
+    verdict, where = explain_hang(n, err, timeout)
+    if verdict is not None:
+        return verdict
     ranks = ", ".join(map(str, err.ranks))
     return (f"with {n} rank(s), rank(s) {ranks} hung for {timeout:g} s.{where} A rank waits "
             "forever in a collective that a peer never makes: every rank must make the same "

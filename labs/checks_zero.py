@@ -52,7 +52,14 @@ from torch import nn
 from torch.distributed import distributed_c10d
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from labs.checks import CASE_NOTE, CHECK_TIMEOUT_S, CheckResult, _report, clean_traceback
+from labs.checks import (
+    CASE_NOTE,
+    CHECK_TIMEOUT_S,
+    CheckResult,
+    _report,
+    clean_traceback,
+    explain_hang,
+)
 from labs.checks_collectives import (
     CollectiveUsedError,
     _first_difference,
@@ -750,18 +757,9 @@ def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
 
 
 def _explain_timeout(plan: _Plan, n: int, err: LaunchTimeout, timeout: float) -> str:
-    stacks = [err.stacks.get(r, "") for r in err.ranks]
-    if any(stacks) and all("_join_group" in s for s in stacks if s):
-        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
-                "machine may be busy: pass a larger timeout=.")
-    where = ""
-    for r in err.ranks:
-        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
-                  if not any(part in line for part in ("/torch/", "/labs/", "<frozen "))]
-        if frames:
-            cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
-            where = f" Rank {r} was waiting at {cell}."
-            break
+    verdict, where = explain_hang(n, err, timeout)
+    if verdict is not None:
+        return verdict
     return (f"with {n} rank(s), rank(s) {_ranks_text(err.ranks)} hung for {timeout:g} s.{where} "
             f"A rank waits forever in a collective that a peer never makes: every rank must "
             f"make {plan.exercise.collective} of every tensor, in the same order, even a rank "
