@@ -1,4 +1,5 @@
-"""Chapter 6, part 2: fully sharded data parallelism (ZeRO stage 3) from scratch.
+"""Chapter 6, part 2: fully sharded data parallelism (ZeRO stage 3, arXiv 1910.02054; PyTorch
+FSDP, arXiv 2304.11277) from scratch.
 
 :class:`FSDP` cuts a model into *units* (by default: every direct child module with trainable
 parameters, plus a root unit for the rest). Each unit's trainable parameters are flattened
@@ -22,8 +23,12 @@ all-reduce. Memory: 1/N of everything, plus the full parameters and gradient of 
 in flight. Frozen parameters stay whole on every rank, outside the flat vectors; a parameter
 shared by two units (tied weights) belongs to the root unit.
 
-The collectives are chapter 3's and 4's (:mod:`labs.collectives`, point-to-point messages),
-so a :class:`~labs.collectives.Recorder` counts every byte. Names follow PyTorch FSDP:
+By default the collectives are torch.distributed's, started asynchronously: the next unit's
+all-gather is prefetched while this one computes, and a unit's reduce-scatter travels while
+the next one computes its gradient (on gloo, which has no reduce-scatter, it is an all-to-all
+and a local sum: :func:`_reduce_scatter_from`). With ``collectives=Algorithm.RING`` they are
+chapter 3's and 4's ring (:mod:`labs.collectives`, point-to-point messages, one at a time), so
+a :class:`~labs.collectives.Recorder` counts every byte. Names follow PyTorch FSDP:
 ``unshard``/``reshard``, ``ShardedState``, ``finish_gradient_synchronization``.
 """
 
