@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labs.launch import LaunchTimeout, RankError, launch
+from labs.launch import LaunchTimeout, RankError, RankFailure, launch
 
 #: How long one check launch may run before the learner's code is declared hung.
 CHECK_TIMEOUT_S = 10.0
@@ -68,6 +68,15 @@ def clean_traceback(text: str, check_module: str) -> str:
         if keep and not line.startswith(CASE_NOTE):
             lines.append(line)
     return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', "\n".join(lines))
+
+
+def failing_rank(err: RankError) -> RankFailure:
+    """The failure a check's verdict names. Ranks that fail the same way at once: the lowest,
+    so that the verdict is the same on every run (but never one that only lost the peer that
+    failed first)."""
+    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank
+                   and not f.peer_lost), key=lambda f: f.rank)
+    return same[0] if same else err.failure
 
 
 def explain_hang(n: int, err: LaunchTimeout, timeout: float) -> tuple[str | None, str]:

@@ -42,6 +42,7 @@ from labs.checks import (
     _report,
     clean_traceback,
     explain_hang,
+    failing_rank,
 )
 from labs.collectives import Collective, shard_bounds
 from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, launch
@@ -592,12 +593,10 @@ def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
 
 def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: RankError) -> str:
     first_line = str(err).splitlines()[0]
-    # Ranks that fail the same way at once: name the lowest, so the verdict is stable.
-    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank),
-                  key=lambda f: f.rank)
-    rank, tb = (same[0].rank, same[0].traceback) if same else (err.rank, err.remote_traceback)
+    named = failing_rank(err)
+    rank, tb = named.rank, named.traceback
     if err.exc_type == "RankDied":
-        how = same[0].message if same else first_line.split(": ", 1)[-1]
+        how = named.message
         return (f"with {n} rank(s), rank {rank} died ({how}). gloo ends a process when a "
                 "message does not fit the buffer posted to receive it: every send needs a "
                 "receive of the same number of elements on the other side; check the chunk "

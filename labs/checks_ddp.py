@@ -53,6 +53,7 @@ from labs.checks import (
     _report,
     clean_traceback,
     explain_hang,
+    failing_rank,
 )
 from labs.launch import LaunchTimeout, RankError, launch
 
@@ -786,10 +787,8 @@ def _where(n: int, case: _Case | None) -> str:
 
 
 def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
-    # Ranks that fail the same way at once: name the lowest, so the verdict is stable.
-    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank),
-                  key=lambda f: f.rank)
-    rank, tb = (same[0].rank, same[0].traceback) if same else (err.rank, err.remote_traceback)
+    named = failing_rank(err)
+    rank, tb = named.rank, named.traceback
     found = re.search(re.escape(CASE_NOTE) + r" (\d+)", tb)
     case = plan.cases[int(found.group(1))] if found else None
     hint = next((h for key, h in _ERROR_HINTS if key in tb), "")

@@ -59,6 +59,7 @@ from labs.checks import (
     _report,
     clean_traceback,
     explain_hang,
+    failing_rank,
 )
 from labs.checks_collectives import (
     CollectiveUsedError,
@@ -733,11 +734,8 @@ _PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor z
 
 
 def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
-    # Ranks that fail the same way at once: name the lowest, so the verdict is stable (but not
-    # one that only lost the peer that failed first).
-    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank
-                   and not f.peer_lost), key=lambda f: f.rank)
-    rank, tb = (same[0].rank, same[0].traceback) if same else (err.rank, err.remote_traceback)
+    named = failing_rank(err)
+    rank, tb = named.rank, named.traceback
     if err.exc_type == "RankDied":
         return (f"with {n} rank(s), rank {rank} died. gloo ends a process when a message does "
                 "not fit the buffer posted to receive it: every rank must pass shards of the "

@@ -134,6 +134,7 @@ class FlatUnit:
         each slice would zero a full-sized tensor, copy its piece in, and the zeros be summed."""
         sizes = [shape.numel() for shape in self.shapes]
         pieces = self.full.split([*sizes, self.padded_numel - self.numel])
+        # zip stops before the last piece: the padding, which no parameter views
         for places, shape, piece in zip(self.places, self.shapes, pieces, strict=False):
             yield places, piece.view(shape)
 

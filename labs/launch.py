@@ -99,9 +99,11 @@ class RankError(RuntimeError):
         exc_type: the name of its exception class.
         remote_traceback: the traceback text printed in that rank.
         secondary: failures of other ranks that only followed from it (a lost peer).
+        failure: the first failure whole (its rank, type, message and traceback).
     """
 
     def __init__(self, first: RankFailure, others: Sequence[RankFailure]) -> None:
+        self.failure = first
         self.rank = first.rank
         self.exc_type = first.exc_type
         self.remote_traceback = first.traceback

@@ -14,6 +14,7 @@ from labs.checks import (
     check_ring_all_gather,
     check_ring_all_reduce,
     check_ring_reduce_scatter,
+    failing_rank,
 )
 from labs.collectives import (
     ring_all_gather,
@@ -22,6 +23,7 @@ from labs.collectives import (
     shard_bounds,
     whole_tensor_ring_all_reduce,
 )
+from labs.launch import RankError, RankFailure
 
 
 def correct(model):
@@ -549,3 +551,15 @@ def test_bad_arguments_are_refused_before_any_rank_starts(kwargs, error, procs):
     with pytest.raises(error):
         check_ring_all_reduce(**kwargs)
     assert set(procs.descendants()) <= before
+
+
+def test_a_verdict_names_the_lowest_rank_that_failed_not_one_that_lost_its_peer():
+    def failure(rank: int, message: str) -> RankFailure:
+        return RankFailure(rank, "RuntimeError", message, f"Traceback {rank}", when=float(rank))
+
+    cause = failure(2, "shapes do not match")
+    lost = failure(0, "[gloo] Connection closed by peer")
+    also = failure(1, "shapes do not match")
+    assert failing_rank(RankError(cause, [lost])).rank == 2
+    assert failing_rank(RankError(cause, [lost, also])).rank == 1
+    assert failing_rank(RankError(cause, [])).traceback == "Traceback 2"
