@@ -205,7 +205,8 @@ class CollectiveTiming:
     """The measurement of one :class:`CollectiveCase` at one world size.
 
     ``seconds`` is the median over iterations of the slowest rank's time per call (a
-    collective is done when its last rank is); ``all_seconds`` holds every iteration's.
+    collective is done when its last rank is); ``all_seconds`` holds every iteration's, those
+    of ``launches`` launches pooled one launch after the other (equal numbers per launch).
     ``correct`` is True when every call on every rank gave the exact result.
     """
 
@@ -215,6 +216,13 @@ class CollectiveTiming:
     seconds: float
     all_seconds: tuple[float, ...]
     correct: bool
+    launches: int = 1
+
+    def launch_medians(self) -> list[float]:
+        """The median of each launch's iterations."""
+        per = len(self.all_seconds) // self.launches
+        return [statistics.median(self.all_seconds[i * per:(i + 1) * per])
+                for i in range(self.launches)]
 
     def summary(self, statistic: Statistic) -> float:
         """The median (= ``seconds``) or the minimum over iterations."""
@@ -239,7 +247,8 @@ class CollectiveTiming:
             "window": self.case.window, "dtype": dtype_name(self.case.dtype),
             "size_bytes": self.case.size_bytes, "seconds": self.seconds,
             "algbw_gbps": self.algbw_gbps, "busbw_gbps": self.busbw_gbps,
-            "correct": self.correct, "all_seconds": list(self.all_seconds),
+            "correct": self.correct, "launches": self.launches,
+            "all_seconds": list(self.all_seconds),
         }
 
 
@@ -259,6 +268,7 @@ def timing_from_record(record: dict[str, Any]) -> CollectiveTiming:
         case, int(record["world_size"]), str(record["backend"]), float(record["seconds"]),
         tuple(float(s) for s in all_seconds),
         correct if isinstance(correct, bool) else str(correct) == "True",
+        int(record.get("launches") or 1),
     )
 
 
@@ -804,7 +814,8 @@ def _pool(runs: Sequence[CollectiveTiming]) -> CollectiveTiming:
     times = tuple(t for run in runs for t in run.all_seconds)
     first = runs[0]
     return CollectiveTiming(first.case, first.world_size, first.backend,
-                            statistics.median(times), times, all(r.correct for r in runs))
+                            statistics.median(times), times, all(r.correct for r in runs),
+                            sum(r.launches for r in runs))
 
 
 def _torch_of(timing: CollectiveTiming,
@@ -828,8 +839,25 @@ def ratio_to_torch(timing: CollectiveTiming, timings: Sequence[CollectiveTiming]
     return reference.seconds / timing.seconds
 
 
-def _ratio_cell(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}"
+def launch_ratios(timing: CollectiveTiming,
+                  timings: Sequence[CollectiveTiming]) -> list[float] | None:
+    """:func:`ratio_to_torch` launch by launch (each launch's median against the same launch's
+    median of torch's built-in): how far one launch can move the ratio. None where there is no
+    ratio or only one launch."""
+    reference = _torch_of(timing, timings)
+    if (reference is None or timing.case.algorithm is Algorithm.TORCH or timing.launches < 2
+            or reference.launches != timing.launches):
+        return None
+    return [ref / mine for ref, mine in zip(reference.launch_medians(), timing.launch_medians(),
+                                            strict=True)]
+
+
+def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:
+    if ratio is None:
+        return "-"
+    if not spread:
+        return f"{ratio:.2f}"
+    return f"{ratio:.2f} ({min(spread):.2f}-{max(spread):.2f})"
 
 
 def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
@@ -854,14 +882,17 @@ def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
                       + format_table(header, rows))
     summary = ring_vs_torch_table(timings)
     if summary:
-        blocks.append("all-reduce, ring busbw / torch busbw (> 1: the ring is faster):\n"
-                      + summary)
+        spread = any(t.launches > 1 for t in timings)
+        blocks.append("all-reduce, ring busbw / torch busbw (> 1: the ring is faster"
+                      + ("; in brackets the lowest and highest ratio of one launch" if spread
+                         else "") + "):\n" + summary)
     return "\n\n".join(blocks)
 
 
 def ring_vs_torch_table(timings: Sequence[CollectiveTiming]) -> str:
     """All-reduce: backend, world size and ring variant (rows) x size (columns) -> busbw ratio
-    of the ring to torch's built-in. Empty when the sweep had no ring or no torch."""
+    of the ring to torch's built-in, and, after several launches, the lowest and highest
+    ratio of a single launch in brackets. Empty when the sweep had no ring or no torch."""
     from labs.viz import format_table
 
     rings = [t for t in timings if t.case.collective is Collective.ALL_REDUCE
@@ -871,9 +902,10 @@ def ring_vs_torch_table(timings: Sequence[CollectiveTiming]) -> str:
     sizes = sorted({t.case.size_bytes for t in rings})
     rows = []
     for key in dict.fromkeys((t.backend, t.world_size, t.case.label) for t in rings):
-        ratios = {t.case.size_bytes: ratio_to_torch(t, timings) for t in rings
-                  if (t.backend, t.world_size, t.case.label) == key}
-        rows.append([*key, *(_ratio_cell(ratios.get(s)) for s in sizes)])
+        cells = {t.case.size_bytes: _ratio_cell(ratio_to_torch(t, timings),
+                                                launch_ratios(t, timings))
+                 for t in rings if (t.backend, t.world_size, t.case.label) == key}
+        rows.append([*key, *(cells.get(s, "-") for s in sizes)])
     return format_table(["backend", "world size", "algorithm",
                          *(format_size(s) for s in sizes)], rows)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -262,6 +263,31 @@ def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:
     assert pooled.seconds == 6.5  # the median of all six, not of the two medians
     assert not pooled.correct
     assert bench._pool([first, first]).correct
+    assert pooled.launches == 2 and pooled.launch_medians() == [2.0, 20.0]
+
+
+def test_ratio_table_shows_each_launch_range() -> None:
+    """One launch had the ring twice as fast as torch, the other half as fast: the table must
+    show that spread beside the pooled ratio (2.0 / median(1, 1, 1, 4, 4, 4) = 0.80)."""
+    def timing(algorithm: Algorithm, per_launch: list[tuple[float, ...]]) -> bench.CollectiveTiming:
+        case = bench.CollectiveCase(Collective.ALL_REDUCE, algorithm, 1 << 20)
+        runs = [bench.CollectiveTiming(case, 2, "gloo", statistics.median(t), t, True)
+                for t in per_launch]
+        return bench._pool(runs)
+
+    ring = timing(Algorithm.RING, [(1.0, 1.0, 1.0), (4.0, 4.0, 4.0)])
+    torch_ = timing(Algorithm.TORCH, [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)])
+    assert bench.launch_ratios(ring, [ring, torch_]) == [2.0, 0.5]
+    table = bench.ring_vs_torch_table([ring, torch_])
+    assert "0.80 (0.50-2.00)" in table.splitlines()[-1]
+    assert "lowest and highest" in bench.sweep_tables([ring, torch_])
+    # one launch: a plain ratio, no bracket
+    single = [bench.CollectiveTiming(ring.case, 2, "gloo", 1.0, (1.0,), True),
+              bench.CollectiveTiming(torch_.case, 2, "gloo", 2.0, (2.0,), True)]
+    assert bench.launch_ratios(single[0], single) is None
+    assert bench.ring_vs_torch_table(single).splitlines()[-1].split()[-1] == "2.00"
+    # the launch count survives a CSV round trip
+    assert bench.timing_from_record(ring.as_record()).launches == 2
 
 
 def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):

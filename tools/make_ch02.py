@@ -459,8 +459,9 @@ collective and size is `python -m labs.bench collectives`. On a machine shared w
 work the timings move from run to run, small sizes most, and on a small machine they also
 move from launch to launch, with the way the ranks happen to share the cores; so the cell
 pools the iterations of three launches per world size, and each launch alternates the order
-of the two algorithms. Run it again to see by how much the ratios move before reading much
-into one of them.
+of the two algorithms. In the last table the brackets hold the lowest and the highest ratio
+that a single launch gave: a cell whose range straddles 1 says the two are level within what
+this machine can resolve, whatever its first number says.
 """),
     code("""
 bench_settings = SweepSettings(
