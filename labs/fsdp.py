@@ -192,6 +192,27 @@ def _reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
     return _Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
 
 
+def _checked_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]:
+    """``units`` as a list, after the checks that make a wrong one a clear error."""
+    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    chosen: list[nn.Module] = []
+    for i, unit in enumerate(units):
+        if not isinstance(unit, nn.Module):
+            raise TypeError(f"units[{i}] must be an nn.Module (a submodule of the wrapped "
+                            f"model), got {type(unit).__name__}.")
+        if unit is module:
+            raise ValueError(f"units[{i}] is the wrapped module itself, which is always the "
+                             "root unit: list only its submodules.")
+        if id(unit) not in names:
+            raise ValueError(f"units[{i}] ({type(unit).__name__}) is not a submodule of the "
+                             "wrapped module: pick units from the model passed to FSDP, e.g. "
+                             "units=list(model.layers).")
+        if any(unit is other for other in chosen):
+            raise ValueError(f"units[{i}] ({names[id(unit)]!r}) is listed twice.")
+        chosen.append(unit)
+    return chosen
+
+
 def default_units(module: nn.Module) -> list[nn.Module]:
     """Every direct child with trainable parameters: the layers of a Sequential, the blocks
     of a transformer if they are its children."""
@@ -218,7 +239,8 @@ class FSDP(nn.Module):
             collectives (e.g. ``torch.bfloat16``); the shards stay fp32. Floating-point
             inputs of the root forward are cast to it.
         units: the submodules to shard as units (each gathered and freed on its own); the
-            default is :func:`default_units`. Parameters outside them form the root unit.
+            default is :func:`default_units`. Units may nest: a parameter belongs to the
+            innermost unit around it. Parameters outside them form the root unit.
         observer: called with an :class:`Event` and the unit's name at every gather, free
             and reduce-scatter (the memory timeline of chapter 6 snapshots there).
         collectives: ``Algorithm.TORCH`` (default): torch.distributed's all-gather and
@@ -254,11 +276,11 @@ class FSDP(nn.Module):
         self.compute_dtype = compute_dtype
         self.observer = observer
         self.recorder = recorder
+        chosen = _checked_units(module, units) if units is not None else default_units(module)
         with torch.no_grad():
             root = dist.get_global_rank(process_group, 0) if process_group else 0
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=root, group=process_group)
-        chosen = list(units) if units is not None else default_units(module)
         self.units = self._build_units(module, chosen)
         self.shards = nn.ParameterList([u.shard for u in self.units])
         #: The units in the order their forward and their backward ran in the last step:
@@ -278,14 +300,19 @@ class FSDP(nn.Module):
     # -- construction --
 
     def _build_units(self, module: nn.Module, chosen: list[nn.Module]) -> list[FlatUnit]:
-        """Assign every trainable parameter to one unit; a parameter used by two units, or
-        outside every chosen one, goes to the root (the wrapped module itself)."""
+        """Assign every trainable parameter to one unit: the innermost chosen unit around the
+        module that registers it (units may nest, as with torch's ``fully_shard``: the outer
+        unit gathers only what its inner units do not hold). A parameter used by two units,
+        or outside every chosen one, goes to the root (the wrapped module itself)."""
         owner_of: dict[int, nn.Module] = {}
         places: dict[int, list[_Place]] = {}
         all_names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         unit_of_module = {id(m): m for u in chosen for m in u.modules()}
-        unit_root = {id(m): u for u in chosen for m in u.modules()}
+        # An inner unit has fewer modules than any unit around it, so writing the largest
+        # first leaves each module mapped to its innermost unit, whatever the order given.
+        outer_first = sorted(chosen, key=lambda u: -sum(1 for _ in u.modules()))
+        unit_root = {id(m): u for u in outer_first for m in u.modules()}
         for mod_name, mod in module.named_modules(remove_duplicate=False):
             for attr, p in list(mod._parameters.items()):
                 if p is None or not p.requires_grad:

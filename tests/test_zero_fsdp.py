@@ -250,6 +250,60 @@ def test_bfloat16_compute_keeps_fp32_shards_and_stays_close_to_fp32():
     assert not torch.equal(results[0][0], net[0].weight.detach())  # bf16 did round
 
 
+def nested_net(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    return nn.Sequential(nn.Linear(4, 8), block, nn.Tanh(), nn.Linear(8, 2))
+
+
+def nested_worker(rank: int, world_size: int, inner_first: bool) -> dict[str, object]:
+    """Units that nest (the block, and the first layer inside it), listed in either order."""
+    net = nested_net(seed=rank)
+    inner, outer = net[1][0], net[1]
+    model = FSDP(net, units=[inner, outer] if inner_first else [outer, inner])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    per = 8 // world_size
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(x[rank * per:(rank + 1) * per]).square().sum().backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    return {"units": {u.name: u.numel for u in model.units}, "params": model.gather_full_params()}
+
+
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_nested_units_each_hold_their_innermost_parameters_and_train_like_one_process(
+        inner_first):
+    net = nested_net(seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (net(x).square().sum() / 4).backward()  # the mean over 4 ranks of per-rank sums
+        opt.step()
+    for got in launch(nested_worker, 4, args=(inner_first,), echo=False):
+        # the inner layer's 72, the block's other layer's 72, the rest (40 + 18) in the root
+        assert got["units"] == {"1.0": 72, "1": 72, "root": 58}
+        for name, want in net.state_dict().items():
+            torch.testing.assert_close(got["params"][name], want, msg=name)
+
+
+def units_error(rank: int, world_size: int, which: str) -> None:
+    net = Deep()
+    units = {"itself": [net], "foreign": [nn.Linear(2, 2)], "twice": [net.layers[0]] * 2,
+             "not a module": ["layers.0"]}[which]
+    FSDP(net, units=units)
+
+
+@pytest.mark.parametrize("which, message", [
+    ("itself", "wrapped module itself"), ("foreign", "not a submodule"),
+    ("twice", "'layers.0'.* listed twice"), ("not a module", "must be an nn.Module")])
+def test_wrong_units_are_named_before_any_collective(which, message):
+    with pytest.raises(RankError, match=message):
+        launch(units_error, 2, args=(which,), echo=False, timeout=30)
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 
