@@ -297,7 +297,10 @@ class AllocationTracker(TorchDispatchMode):
     drops those whose tensors have all been freed. The peak is therefore exact at operator
     boundaries; memory used and released *within* one kernel, and buffers a communication
     library allocates without creating a tensor, are not seen. Only the thread that enters
-    the block is observed.
+    the block is observed. A storage's size is read once, when it is created: a storage
+    that is later ``resize_``-d (as FSDP frees and regrows its full parameters) and a DTensor
+    (whose wrapper reports the global size) are not measured right;
+    :class:`labs.fsdp_torch.StoragePeak` measures those.
     """
 
     @classmethod
