@@ -8,53 +8,24 @@ starts from a *different* initialisation, so the broadcast at construction is te
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs import RankError, launch, models
+from labs import RankError, launch
 from labs.ddp import DDP, NaiveDDP, assign_buckets, params_in_graph, trainable_parameters
 
-VOCAB, DIM, BATCH = 11, 6, 8
-
-
-#: Embedding tied to the output layer, a frozen layer, a buffer used in forward.
-TiedNet = partial(models.TiedNet, VOCAB, DIM)
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(123)
-    ids = torch.randint(0, VOCAB, (BATCH, 5), generator=generator)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-
-
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=0.05),
-}
-STEPS = 3
-
-
-def reference_run(optimizer: str) -> list[dict[str, torch.Tensor]]:
-    """One process, the whole batch: the parameters after each step."""
-    model = TiedNet(seed=0)
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    x, y = batch()
-    states = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss_of(model, x, y).backward()
-        opt.step()
-        states.append({k: v.clone() for k, v in model.state_dict().items()})
-    return states
-
+from parity import (
+    OPTIMIZERS,
+    STEPS,
+    TiedNet,
+    assert_states_match,
+    loss_of,
+    make_optimizer,
+    rank_batch,
+    reference_run,
+)
 
 #: (wrapper, keyword arguments): tiny buckets (one parameter each), a middle size, one bucket.
 WRAPPERS = [
@@ -66,15 +37,13 @@ WRAPPERS = [
 
 
 def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
-    x, y = batch()
-    per = BATCH // world_size
-    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    x, y = rank_batch(rank, world_size)
     out = {}
     for optimizer in OPTIMIZERS:
         for wrapper, kwargs in WRAPPERS:
             net = TiedNet(seed=rank)  # different on every rank until the broadcast
             model = NaiveDDP(net) if wrapper == "naive" else DDP(net, **kwargs)
-            opt = OPTIMIZERS[optimizer](model.parameters())
+            opt = make_optimizer(optimizer, model.parameters())
             states = []
             for _ in range(STEPS):
                 opt.zero_grad()
@@ -101,13 +70,7 @@ def test_every_rank_matches_one_process_on_the_full_batch(world_size):
     assert any(k.endswith("-2buckets") for k in keys), keys
     for rank, per_rank in enumerate(results):
         for key, states in per_rank.items():
-            expected = references[key.split("-")[0]]
-            for step, (got, want) in enumerate(zip(states, expected, strict=True)):
-                for name in want:
-                    torch.testing.assert_close(
-                        got[name], want[name],
-                        msg=lambda m, k=key, s=step, n=name, r=rank: f"{k} rank {r} step {s} "
-                        f"{n}: {m}")
+            assert_states_match(states, references[key.split("-")[0]], f"{key} rank {rank}")
 
 
 def test_buckets_follow_reverse_registration_order_and_the_cap():

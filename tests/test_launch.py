@@ -23,11 +23,12 @@ import nbformat
 import pytest
 import torch
 import torch.distributed as dist
-from launch_driver import meet  # the same rendezvous helper the two-process test runs
 from nbclient import NotebookClient
 
 import labs
 from labs import Backend, LaunchTimeout, RankError, RankResults, launch
+
+from launch_driver import meet  # the same rendezvous helper the two-process test runs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

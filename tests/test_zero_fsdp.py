@@ -8,62 +8,33 @@ build their models from *different* seeds, so the broadcast at construction is t
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs import RankError, launch, models
+from labs import RankError, launch
 from labs.collectives import Algorithm, Recorder
 from labs.fsdp import FSDP, ShardedState
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 
-VOCAB, DIM, BATCH, STEPS = 11, 6, 8, 3
-
-
-#: Embedding tied to the output layer, a frozen layer, a buffer used in forward.
-TiedNet = partial(models.TiedNet, VOCAB, DIM)
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(123))
-    return ids[:, :-1], ids[:, 1:]
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
-
-
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
-    "adam": (torch.optim.Adam, {"lr": 0.05}),
-}
-
-
-def reference(optimizer: str) -> list[dict[str, torch.Tensor]]:
-    model = TiedNet(0)
-    cls, kwargs = OPTIMIZERS[optimizer]
-    opt = cls(model.parameters(), **kwargs)
-    x, y = batch()
-    states = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss_of(model, x, y).backward()
-        opt.step()
-        states.append({k: v.clone() for k, v in model.state_dict().items()})
-    return states
-
+from parity import (
+    OPTIMIZERS,
+    STEPS,
+    TiedNet,
+    assert_states_match,
+    batch,
+    loss_of,
+    rank_batch,
+    reference_run,
+)
 
 #: (strategy, FSDP compute dtype)
 STRATEGIES = ["zero1", "zero2", "fsdp", "fsdp-ring"]
 
 
 def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
-    x, y = batch()
-    per = BATCH // world_size
-    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    x, y = rank_batch(rank, world_size)
     out = {}
     for optimizer, (cls, kwargs) in OPTIMIZERS.items():
         for strategy in STRATEGIES:
@@ -95,18 +66,11 @@ def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_stage_matches_one_process_on_the_full_batch(world_size):
     results = launch(parity_worker, world_size, echo=False)
-    expected = {name: reference(name) for name in OPTIMIZERS}
+    expected = {name: reference_run(name) for name in OPTIMIZERS}
     for rank, per_rank in enumerate(results):
         assert len(per_rank) == len(OPTIMIZERS) * len(STRATEGIES)
         for key, states in per_rank.items():
-            for step, (got, want) in enumerate(zip(states, expected[key.split("-")[0]],
-                                                   strict=True)):
-                assert set(got) == set(want), key  # tied names and the buffer included
-                for name in want:
-                    torch.testing.assert_close(
-                        got[name], want[name],
-                        msg=lambda m, k=key, s=step, n=name, r=rank: f"{k} rank {r} step {s} "
-                        f"{n}: {m}")
+            assert_states_match(states, expected[key.split("-")[0]], f"{key} rank {rank}")
 
 
 # --- what each rank holds --------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""The oracle of the DDP, ZeRO and FSDP tests: a single process trained on the whole batch.
+
+Ranks train :data:`TiedNet` (an embedding tied to the output layer, a frozen layer and a
+buffer) on their slice of :func:`batch` from *different* seeds, so the broadcast at
+construction is tested too; after every step their full parameters must equal
+:func:`reference_run`'s.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from labs import models
+
+VOCAB, DIM, BATCH, STEPS = 11, 6, 8, 3
+
+#: Embedding tied to the output layer, a frozen layer, a buffer used in forward.
+TiedNet = partial(models.TiedNet, VOCAB, DIM)
+
+#: name -> (optimizer class, keyword arguments)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, float]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.05}),
+}
+
+
+def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
+    cls, kwargs = OPTIMIZERS[name]
+    return cls(params, **kwargs)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch: inputs and next-token targets."""
+    ids = torch.randint(0, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(123))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def rank_batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's equal slice of :func:`batch`."""
+    x, y = batch()
+    per = BATCH // world_size
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 whatever the model computes in."""
+    return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def reference_run(optimizer: str) -> list[dict[str, torch.Tensor]]:
+    """One process, the whole batch: the state dict after each of :data:`STEPS` steps."""
+    model = TiedNet(seed=0)
+    opt = make_optimizer(optimizer, model.parameters())
+    x, y = batch()
+    states = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def assert_states_match(got: list[dict[str, torch.Tensor]],
+                        want: list[dict[str, torch.Tensor]], what: str) -> None:
+    """Every step's state dict equal to the reference's, the tied names and buffer included."""
+    assert len(got) == len(want), what
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert set(g) == set(w), f"{what} step {step}"
+        for name in w:
+            torch.testing.assert_close(
+                g[name], w[name], msg=lambda m, s=step, n=name: f"{what} step {s} {n}: {m}")
