@@ -1,8 +1,9 @@
 """The chapter 5 checks pass right answers and fail each typical wrong answer with its reason.
 
-Answers are written as a learner writes them in the notebook: first the right ones, whole,
-then one configurable learner class per exercise whose subclasses switch on one mistake each.
-Wrong answers run on the fewest world sizes that expose them.
+Answers are written as a learner writes them in the notebook: first the right ones (the
+notebook's own solutions, read from it, and others), then one configurable learner class per
+exercise whose subclasses switch on one mistake each. Wrong answers run on the fewest world
+sizes that expose them.
 """
 
 import pytest
@@ -16,84 +17,13 @@ from labs.checks import CheckResult, check_bucketed_ddp, check_simple_ddp
 from labs.checks_ddp import _watched_all_reduces
 from labs.ddp import DDP, NaiveDDP
 
-# --- right answers, as a learner writes them ---------------------------------------------------
+from solutions import solution
+
+# --- right answers: the notebook's solutions, then others a learner may write ----------------
 
 
-class SimpleDDP(nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=0)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def finish_gradient_synchronization(self):
-        world_size = dist.get_world_size()
-        for p in self.module.parameters():
-            if p.requires_grad:
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
-
-
-class BucketedDDP(nn.Module):
-    def __init__(self, module, bucket_cap_mb):
-        super().__init__()
-        self.module = module
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=0)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets, current, size = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_cap_mb * 2**20:
-                self.buckets.append(current)
-                current, size = [], 0
-        if current:
-            self.buckets.append(current)
-        self.flat = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
-        self.slot = {}  # id(p) -> (bucket index, offset)
-        for i, bucket in enumerate(self.buckets):
-            offset = 0
-            for p in bucket:
-                self.slot[id(p)] = (i, offset)
-                offset += p.numel()
-        self.reset()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self.hook)
-
-    def reset(self):
-        self.arrived = [0] * len(self.buckets)
-        self.works = [None] * len(self.buckets)
-        self.next_bucket = 0
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def hook(self, p):
-        i, offset = self.slot[id(p)]
-        self.flat[i][offset:offset + p.numel()].copy_(p.grad.view(-1))
-        self.arrived[i] += 1
-        # launch full buckets in bucket order: every rank must all-reduce in the same order
-        while (self.next_bucket < len(self.buckets)
-               and self.arrived[self.next_bucket] == len(self.buckets[self.next_bucket])):
-            self.works[self.next_bucket] = dist.all_reduce(self.flat[self.next_bucket],
-                                                           async_op=True)
-            self.next_bucket += 1
-
-    def finish_gradient_synchronization(self):
-        for i, bucket in enumerate(self.buckets):
-            self.works[i].wait()
-            self.flat[i] /= dist.get_world_size()
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(self.flat[i][offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        self.reset()
+SimpleDDP = solution("05_ddp.ipynb", "5.1", "SimpleDDP", globals())
+BucketedDDP = solution("05_ddp.ipynb", "5.2", "BucketedDDP", globals())
 
 
 class PlainSimpleDDP:

@@ -1,7 +1,7 @@
 """The chapter 6 checks pass right answers and fail each typical wrong answer with its reason.
 
-Answers are written as a learner writes them in the notebook: first the right ones, whole,
-then one configurable learner function per exercise whose keyword switches (bound with
+Answers are written as a learner writes them in the notebook: first the right ones (the
+notebook's own solutions, read from it), then one configurable learner function per exercise whose keyword switches (bound with
 functools.partial) turn on one mistake each, and a few wrong answers of their own. Wrong
 answers run on the fewest world sizes that expose them.
 """
@@ -25,36 +25,14 @@ from labs.checks_collectives import CollectiveUsedError
 from labs.checks_zero import _GROUP_METHODS, _watched_collectives
 from labs.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
-# --- right answers, as a learner writes them (the notebook's solutions) -----------------------
+from solutions import solution
+
+# --- right answers: the notebook's solutions, read from it -------------------------------------
 
 
-def sharded_sgd_step(params, momentum_shards, lr, beta):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for p, m in zip(params, momentum_shards, strict=True):
-        k = m.numel()  # ceil(p.numel() / world_size)
-        pad = (0, world_size * k - p.numel())
-        mine = slice(rank * k, (rank + 1) * k)
-        m.mul_(beta).add_(F.pad(p.grad.reshape(-1), pad)[mine])
-        shard = F.pad(p.reshape(-1), pad)[mine] - lr * m  # this rank's updated shard
-        full = ring_all_gather(shard)  # every rank's shard, in rank order
-        p.copy_(full[:p.numel()].view_as(p))
-
-
-def fsdp_linear_forward(shard, in_features, out_features, x):
-    full = ring_all_gather(shard)  # weight, bias, padding
-    n_weight = out_features * in_features
-    weight = full[:n_weight].view(out_features, in_features)
-    bias = full[n_weight:n_weight + out_features]
-    out = x @ weight.T + bias
-    del full, weight, bias  # reshard: free the gathered parameters before returning
-    return out
-
-
-def reduce_scatter_grad(grad):
-    world_size = dist.get_world_size()
-    k = math.ceil(grad.numel() / world_size)
-    padded = F.pad(grad.reshape(-1), (0, world_size * k - grad.numel()))  # a copy
-    return ring_reduce_scatter(padded) / world_size
+sharded_sgd_step = solution("06_zero_fsdp.ipynb", "6.1", "sharded_sgd_step", globals())
+fsdp_linear_forward = solution("06_zero_fsdp.ipynb", "6.2", "fsdp_linear_forward", globals())
+reduce_scatter_grad = solution("06_zero_fsdp.ipynb", "6.3", "reduce_scatter_grad", globals())
 
 
 def test_right_sharded_sgd_step_passes_with_the_documented_verdict(capsys):
