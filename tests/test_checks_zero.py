@@ -1,9 +1,9 @@
 """The chapter 6 checks pass right answers and fail each typical wrong answer with its reason.
 
 Answers are written as a learner writes them in the notebook: first the right ones (the
-notebook's own solutions, read from it), then one configurable learner function per exercise whose keyword switches (bound with
-functools.partial) turn on one mistake each, and a few wrong answers of their own. Wrong
-answers run on the fewest world sizes that expose them.
+notebook's own solutions, read from it), then one configurable learner function per exercise
+whose keyword switches (bound with functools.partial) turn on one mistake each, and a few
+wrong answers of their own. Wrong answers run on the fewest world sizes that expose them.
 """
 
 import math
