@@ -163,8 +163,22 @@ class ShardedOptimizer:
 
     # -- the step --
 
+    def _check_still_linked(self) -> None:
+        """Every parameter must still live in its padded vector: ``model.to(...)``,
+        ``.cuda()`` or ``.half()`` after building the optimizer gives a parameter new memory,
+        and the step would then update shards that nothing reads."""
+        for sharded in self.sharded:
+            if sharded.param.data_ptr() != sharded.padded.data_ptr():
+                raise RuntimeError(
+                    f"ShardedOptimizer: parameter {sharded.name} no longer lives in the "
+                    f"memory the optimizer shards (it is now {sharded.param.dtype} on "
+                    f"{sharded.param.device}; the shards are {sharded.padded.dtype} on "
+                    f"{sharded.padded.device}). Move or cast the model (model.to(...), "
+                    ".cuda(), .half()) before building the ShardedOptimizer, not after.")
+
     def step(self) -> None:
         """Average the gradients' shards, step them, and all-gather every parameter."""
+        self._check_still_linked()
         for sharded in self.sharded if self.stage is ZeroStage.OPTIMIZER else ():
             if sharded.param.grad is None:
                 raise RuntimeError(

@@ -293,6 +293,20 @@ def test_a_unit_without_gradient_is_an_error_naming_it():
         launch(unused_unit, 2, echo=False, timeout=30)
 
 
+def cast_after_wrapping(rank: int, world_size: int) -> None:
+    net = TiedNet(seed=0)
+    opt = ShardedOptimizer(net.named_parameters(), torch.optim.SGD, lr=0.1)
+    net.double()  # new memory for every parameter: the shards no longer reach them
+    loss_of(net, *rank_batch(rank, world_size)).backward()
+    opt.step()
+
+
+def test_casting_the_model_after_building_the_sharded_optimizer_is_an_error_saying_so():
+    with pytest.raises(RankError, match=r"embed.weight no longer lives.*torch.float64.*before "
+                                        r"building the ShardedOptimizer"):
+        launch(cast_after_wrapping, 2, echo=False, timeout=30)
+
+
 def poke_worker(rank: int, world_size: int) -> list[str]:
     net = Deep()
     model = FSDP(net, units=list(net.layers))
