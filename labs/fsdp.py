@@ -238,6 +238,10 @@ class FSDP(nn.Module):
         compute_dtype: dtype of the gathered parameters, of forward and backward, and of the
             collectives (e.g. ``torch.bfloat16``); the shards stay fp32. Floating-point
             inputs of the root forward are cast to it.
+        reduce_dtype: dtype in which the gradients are reduce-scattered (summed over ranks);
+            None (default, as torch's ``MixedPrecisionPolicy``): ``compute_dtype``. With bf16
+            compute, ``torch.float32`` sums N bf16 gradients without rounding each partial
+            sum to bf16, for twice the reduce-scatter's bytes.
         units: the submodules to shard as units (each gathered and freed on its own); the
             default is :func:`default_units`. Units may nest: a parameter belongs to the
             innermost unit around it. Parameters outside them form the root unit.
@@ -254,6 +258,7 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
+                 reduce_dtype: torch.dtype | None = None,
                  units: Sequence[nn.Module] | None = None,
                  collectives: Algorithm = Algorithm.TORCH,
                  process_group: dist.ProcessGroup | None = None,
@@ -264,6 +269,11 @@ class FSDP(nn.Module):
             raise ValueError(f"collectives must be Algorithm.TORCH (torch.distributed's, "
                              f"asynchronous, with prefetching) or Algorithm.RING (chapters 3 "
                              f"and 4's, counted by a Recorder); got {collectives!r}.")
+        for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype)
+                                          and dtype.is_floating_point):
+                raise ValueError(f"{name} must be None or a floating-point torch.dtype (e.g. "
+                                 f"torch.bfloat16), got {dtype!r}.")
         if recorder is not None and collectives is not Algorithm.RING:
             raise ValueError("a Recorder counts the ring's messages: pass "
                              "collectives=Algorithm.RING with it.")
@@ -274,6 +284,7 @@ class FSDP(nn.Module):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
         self.observer = observer
         self.recorder = recorder
         chosen = _checked_units(module, units) if units is not None else default_units(module)
@@ -444,6 +455,8 @@ class FSDP(nn.Module):
         assert full_grad is not None
         self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
         unit.full.grad = None
+        if self.reduce_dtype is not None:
+            full_grad = full_grad.to(self.reduce_dtype)  # a copy when the dtypes differ
         if self._ring_reduce:
             mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
             self._add_grad(unit, mine)

@@ -214,6 +214,36 @@ def test_bfloat16_compute_keeps_fp32_shards_and_stays_close_to_fp32():
     assert not torch.equal(results[0][0], net[0].weight.detach())  # bf16 did round
 
 
+def reduce_dtype_worker(rank: int, world_size: int) -> dict[str, object]:
+    """Bytes one bf16 step sends with the gradients reduce-scattered in bf16 and in fp32."""
+    out: dict[str, object] = {}
+    for reduce_dtype in (None, torch.float32):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        recorder = Recorder()
+        model = FSDP(net, torch.bfloat16, reduce_dtype=reduce_dtype,
+                     collectives=Algorithm.RING, recorder=recorder)
+        model(torch.randn(8, 16)).float().square().mean().backward()
+        model.finish_gradient_synchronization()
+        out[str(reduce_dtype)] = recorder.stats.bytes_sent
+        out["padded"] = sum(u.padded_numel for u in model.units)
+        out[f"grad {reduce_dtype}"] = [u.shard.grad.dtype for u in model.units]
+    return out
+
+
+def test_reduce_dtype_float32_reduce_scatters_bf16_gradients_in_fp32_at_twice_the_bytes():
+    for got in launch(reduce_dtype_worker, 4, echo=False):
+        # each reduce-scatter sends (N-1)/N of the padded gradient: 3/4 x 2 B more per element
+        extra = got["padded"] * 3 // 4 * 2
+        assert got["torch.float32"] - got["None"] == extra, got
+        assert got["grad None"] == got["grad torch.float32"] == [torch.float32] * 2  # fp32
+
+
+def test_dtypes_that_are_not_floating_point_are_refused():
+    with pytest.raises(ValueError, match="reduce_dtype must be None or a floating-point"):
+        FSDP(nn.Linear(2, 2), reduce_dtype="float32")
+
+
 def nested_net(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))

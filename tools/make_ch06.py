@@ -198,7 +198,9 @@ print(format_table(["collectives", "N", "max |rank - one process|", "same?"], ro
     md(r"""
 `compute_dtype=torch.bfloat16` gathers, computes and reduce-scatters in bfloat16 while the
 shards, and so the optimizer, stay fp32 (tested within a stated tolerance: bfloat16 keeps 8
-bits of mantissa).
+bits of mantissa). `reduce_dtype=torch.float32` (the `reduce_dtype` of torch's
+`MixedPrecisionPolicy`) sums the ranks' bfloat16 gradients in fp32 instead, for twice the
+reduce-scatter's bytes.
 
 ## What each rank holds, measured
 
