@@ -462,6 +462,13 @@ pools the iterations of three launches per world size, and each launch alternate
 of the two algorithms. In the last table the brackets hold the lowest and the highest ratio
 that a single launch gave: a cell whose range straddles 1 says the two are level within what
 this machine can resolve, whatever its first number says.
+
+What to expect before looking: for CPU tensors gloo's own all-reduce is a ring too
+(`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments, two in
+flight, the addition of one overlapped with the transfer of the next), over the same TCP
+connections that `isend` and `irecv` use here. Same algorithm, same bytes, same transport:
+the two can differ only by what Python adds per message and by how well each overlaps
+sending with adding, so ratios near 1 are the expected result, not a tie by luck.
 """),
     code("""
 bench_settings = SweepSettings(
