@@ -4,6 +4,9 @@
     torchrun --nproc_per_node=4 -m labs toy --grads 0.1 -0.2 0.4 -0.1
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 \\
         --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 -m labs grads
+    python -m labs collectives --world-size 4 --collectives all-reduce --sizes 1M 16M
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=1 \\
+        --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 -m labs collectives --sizes 64M
     python -m labs ddp --world-size 2 --steps 60 --wrapper ours
     python -m labs ddp --world-size 2 --steps 20 --checkpoint run.pt --checkpoint-every 10
     python -m labs ddp --world-size 2 --steps 40 --checkpoint run.pt --resume
@@ -22,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from labs.bench import add_case_arguments, settings_from_args, sweep_tables, time_collectives
 from labs.launch import launch, run_torchrun, under_torchrun
 from labs.toy_allreduce import (
     SEED_SENTENCES,
@@ -63,6 +67,25 @@ def _grads(opts: argparse.Namespace, world_size: int) -> None:
         for r in results
     ]
     print(format_table(["rank", "sentences", "local loss", "max |avg - full batch|"], rows))
+
+
+def _collectives(opts: argparse.Namespace, world_size: int) -> None:
+    """Chapters 2-4's collectives beside torch's built-ins, timed and checked on these ranks:
+    across nodes under torchrun, where the ring's messages cross a real network."""
+    if world_size < 2:
+        raise ValueError(f"a collective needs at least 2 ranks, got {world_size}.")
+    settings = settings_from_args(opts)
+    cases = settings.cases()
+    results = _run(time_collectives, world_size, (cases, settings.iters, settings.warmup),
+                   opts.backend, timeout=opts.timeout)
+    if results is None:
+        return  # under torchrun, rank 0 prints
+    timings = results[0]  # every rank returns the same timings (max over ranks per call)
+    print(sweep_tables(timings))
+    wrong = [f"{t.case.collective.value} {t.case.label} {t.case.size_bytes} B"
+             for t in timings if not t.correct]
+    if wrong:
+        raise SystemExit(f"INCORRECT results: {', '.join(wrong)}")
 
 
 def _ddp(opts: argparse.Namespace, world_size: int) -> None:
@@ -107,6 +130,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     grads = sub.add_parser("grads", help="chapter 1: averaged gradients = full-batch gradient")
     grads.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     grads.set_defaults(run=_grads)
+    col = sub.add_parser("collectives", help="chapters 2-4: the collectives from point-to-point "
+                         "messages beside torch's, timed and checked (busbw table)")
+    add_case_arguments(col)
+    col.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds before local ranks are killed (ignored under torchrun)")
+    col.set_defaults(run=_collectives)
     defaults = TrainConfig()
     ddp = sub.add_parser("ddp", help="chapter 5: train a small transformer, data parallel")
     ddp.add_argument("--steps", type=int, default=defaults.steps,
@@ -129,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ddp.add_argument("--timeout", type=float, default=600.0,
                      help="seconds before local ranks are killed (ignored under torchrun)")
     ddp.set_defaults(run=_ddp)
-    for lab in (toy, grads, ddp):
+    for lab in (toy, grads, col, ddp):
         lab.add_argument("--world-size", type=int, default=4,
                          help="ranks to launch on this machine (ignored under torchrun)")
         lab.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")

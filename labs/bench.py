@@ -1060,31 +1060,50 @@ def _dtype_arg(text: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose what is measured: shared by ``python -m labs.bench collectives``
+    (which launches ranks itself) and ``python -m labs collectives`` (which also runs under
+    torchrun); :func:`settings_from_args` reads them back."""
+    parser.add_argument("--collectives", nargs="+", type=_collective_arg,
+                        default=list(Collective), metavar="NAME",
+                        help=f"any of {[c.value for c in Collective]} (default: all)")
+    parser.add_argument("--algorithms", nargs="+", type=_algorithm_arg, default=None,
+                        metavar="NAME",
+                        help=f"any of {[a.value.replace(' ', '-') for a in Algorithm]} "
+                             "(default: every one the collective supports)")
+    parser.add_argument("--sizes", nargs="+", type=_size_arg, default=list(DEFAULT_SIZES),
+                        metavar="SIZE", help="bytes, binary units: 1K 64K 1M 16M "
+                        f"(default: {' '.join(format_size(s) for s in DEFAULT_SIZES)})")
+    parser.add_argument("--iters", type=int, default=5, help="timed calls per case")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per case first")
+    parser.add_argument("--dtype", type=_dtype_arg, default=torch.float32,
+                        help=f"one of {[dtype_name(d) for d in DTYPES]}")
+    parser.add_argument("--segment-bytes", nargs="+", type=_segment_arg,
+                        default=[DEFAULT_SEGMENT_BYTES], metavar="SIZE",
+                        help="pipeline segment(s) of the ring, or 'none' for the lock-step "
+                             f"ring (default: {format_size(DEFAULT_SEGMENT_BYTES)})")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                        help="segments the ring receives ahead")
+
+
+def settings_from_args(opts: argparse.Namespace, **more: Any) -> SweepSettings:
+    """The :class:`SweepSettings` of the flags :func:`add_case_arguments` added (repeated
+    values dropped), with ``more`` for the rest; raises ValueError on a bad combination."""
+    return SweepSettings(
+        collectives=tuple(dict.fromkeys(opts.collectives)),
+        algorithms=None if opts.algorithms is None else tuple(dict.fromkeys(opts.algorithms)),
+        sizes=tuple(dict.fromkeys(opts.sizes)), iters=opts.iters, warmup=opts.warmup,
+        dtype=opts.dtype, segment_bytes=tuple(dict.fromkeys(opts.segment_bytes)),
+        window=opts.window, **more,
+    )
+
+
 def _add_collectives_parser(sub: Any) -> None:
     col = sub.add_parser("collectives", help="nccl-tests style sweep of the collectives")
-    col.add_argument("--collectives", nargs="+", type=_collective_arg,
-                     default=list(Collective), metavar="NAME",
-                     help=f"any of {[c.value for c in Collective]} (default: all)")
-    col.add_argument("--algorithms", nargs="+", type=_algorithm_arg, default=None,
-                     metavar="NAME",
-                     help=f"any of {[a.value.replace(' ', '-') for a in Algorithm]} "
-                          "(default: every one the collective supports)")
-    col.add_argument("--sizes", nargs="+", type=_size_arg, default=list(DEFAULT_SIZES),
-                     metavar="SIZE", help="bytes, binary units: 1K 64K 1M 16M "
-                     f"(default: {' '.join(format_size(s) for s in DEFAULT_SIZES)})")
+    add_case_arguments(col)
     col.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], metavar="N")
     col.add_argument("--backends", nargs="+", type=_backend_arg, default=[Backend.GLOO],
                      metavar="NAME", help="gloo and/or nccl (nccl is skipped without CUDA)")
-    col.add_argument("--iters", type=int, default=5, help="timed calls per case")
-    col.add_argument("--warmup", type=int, default=1, help="untimed calls per case first")
-    col.add_argument("--dtype", type=_dtype_arg, default=torch.float32,
-                     help=f"one of {[dtype_name(d) for d in DTYPES]}")
-    col.add_argument("--segment-bytes", nargs="+", type=_segment_arg,
-                     default=[DEFAULT_SEGMENT_BYTES], metavar="SIZE",
-                     help="pipeline segment(s) of the ring, or 'none' for the lock-step ring "
-                          f"(default: {format_size(DEFAULT_SEGMENT_BYTES)})")
-    col.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                     help="segments the ring receives ahead")
     col.add_argument("--launches", type=int, default=1,
                      help="launches per backend and world size, iterations pooled (default 1)")
     col.add_argument("--timeout", type=float, default=600.0,
@@ -1098,14 +1117,10 @@ def _collectives_main(opts: argparse.Namespace, parser: argparse.ArgumentParser)
     from tqdm import tqdm
 
     try:
-        settings = SweepSettings(
-            collectives=tuple(dict.fromkeys(opts.collectives)),
-            algorithms=None if opts.algorithms is None else tuple(dict.fromkeys(opts.algorithms)),
-            sizes=tuple(dict.fromkeys(opts.sizes)),
-            world_sizes=tuple(dict.fromkeys(opts.world_sizes)),
-            backends=tuple(dict.fromkeys(opts.backends)), iters=opts.iters, warmup=opts.warmup,
-            dtype=opts.dtype, segment_bytes=tuple(dict.fromkeys(opts.segment_bytes)),
-            window=opts.window, timeout_s=opts.timeout, launches=opts.launches,
+        settings = settings_from_args(
+            opts, world_sizes=tuple(dict.fromkeys(opts.world_sizes)),
+            backends=tuple(dict.fromkeys(opts.backends)), timeout_s=opts.timeout,
+            launches=opts.launches,
         )
         outputs = _outputs(opts.out, opts.plot)
     except ValueError as err:

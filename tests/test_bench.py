@@ -7,11 +7,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from labs import __main__ as labs_cli
 from labs import bench
 from labs.bench import (
     DEFAULT_OUT,
@@ -242,6 +246,48 @@ def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys):
     assert document["machine"]["cores"] >= 1
     assert all(math.isfinite(t.seconds) for t in read_timings(out_json))
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lab_collectives_times_and_checks_on_local_ranks(capsys):
+    """`python -m labs collectives`: the same cases and table, on ranks it launches itself."""
+    labs_cli.main(["collectives", "--world-size", "2", "--collectives", "all-gather",
+                   "--sizes", "4K", "--iters", "1"])
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines()
+            if line.startswith("all-gather") and line.split()[-2] in ("True", "False")]
+    assert [(r[1], r[-2]) for r in rows] == [("ring", "True"), ("torch", "True")], printed
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--world-size", "1"], "at least 2 ranks"),
+    (["--sizes", "6"], "--sizes"),
+    (["--collectives", "all-gather", "--algorithms", "naive"], "--algorithms"),
+])
+def test_lab_collectives_refuses_bad_flags_before_launching(monkeypatch, capsys, flags,
+                                                             message):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a launch started although the flags were bad")
+    monkeypatch.setattr(labs_cli, "launch", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        labs_cli.main(["collectives", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_lab_collectives_runs_under_torchrun():
+    """torchrun's env:// rendezvous (--standalone), two processes: rank 0 prints one table."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "labs", "collectives",
+         "--collectives", "all-reduce", "--algorithms", "ring", "torch", "--sizes", "64K",
+         "--iters", "2", "--backend", "gloo"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("gloo, world size 2") == 1, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines()
+            if line.startswith("all-reduce") and line.split()[-2] in ("True", "False")]
+    assert [(r[1], r[-2]) for r in rows] == [("ring", "True"), ("torch", "True")], out.stdout
 
 
 def test_cli_default_output_path():
