@@ -123,6 +123,8 @@ class FlatUnit:
     """The in-flight all-gather's ``dist.Work`` while GATHERING."""
     reduce: _Reduction | None = None
     """The in-flight reduce-scatter of the unit's gradient (torch collectives)."""
+    placeholders: list[ShardedPlaceholder] = field(default_factory=list)
+    """Per parameter, what its attributes hold while the unit is SHARDED."""
 
     @property
     def padded_numel(self) -> int:
@@ -159,9 +161,54 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _point_at_meta(unit: FlatUnit) -> None:
-    for places, shape in zip(unit.places, unit.shapes, strict=True):
-        placeholder = torch.empty(shape, dtype=unit.full.dtype, device="meta")
+class ShardedPlaceholder(torch.Tensor):
+    """What a unit's parameter attribute holds while the unit is sharded: the parameter's
+    shape and dtype (on the meta device, no data) and an error, naming the parameter and its
+    unit, for every operation on it: its values exist only as N shards until the unit's
+    forward gathers them. (A plain meta tensor would not do: an operator given a CPU tensor
+    and a meta tensor may return uninitialised memory instead of failing; a view of the
+    freed storage would crash the process.)"""
+
+    # Skip the __torch_function__ layer: every operation goes to __torch_dispatch__, which
+    # refuses it; shape, dtype and device are read from the wrapper without an operation.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    param_name: str
+    unit_name: str
+
+    @staticmethod
+    def __new__(cls: type[ShardedPlaceholder], shape: torch.Size, dtype: torch.dtype,
+                param_name: str,
+                unit_name: str) -> ShardedPlaceholder:
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype,
+                                                          device="meta")
+        placeholder.param_name, placeholder.unit_name = param_name, unit_name
+        return placeholder
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict | None = None) -> Any:
+        found = next(t for t in _tensors([*args, *(kwargs or {}).values()])
+                     if isinstance(t, ShardedPlaceholder))
+        raise RuntimeError(
+            f"FSDP: {func.__name__.split('.')[0]} read {found.param_name}, which belongs to "
+            f"unit {found.unit_name!r} and is sharded now: its values are gathered only while "
+            f"that unit's forward runs (and for its backward). Use a parameter only inside "
+            "the forward of the unit that holds it (not as layer.weight from another "
+            "module), or leave that module out of `units` so that its parameters go to the "
+            "root unit, gathered for the whole forward; between steps, read the parameters "
+            "with gather_full_params().")
+
+    def __repr__(self) -> str:  # printing must not run an operation
+        return (f"ShardedPlaceholder({self.param_name}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, unit={self.unit_name!r})")
+
+
+def _point_at_placeholders(unit: FlatUnit) -> None:
+    if not unit.placeholders:  # made once: a unit is resharded twice a step
+        unit.placeholders = [ShardedPlaceholder(shape, unit.full.dtype, names[0], unit.name)
+                             for shape, names in zip(unit.shapes, unit.names, strict=True)]
+    for places, placeholder in zip(unit.places, unit.placeholders, strict=True):
         for place in places:
             setattr(place.module, place.attr, placeholder)
 
@@ -207,17 +254,33 @@ def _checked_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Mod
             raise ValueError(f"units[{i}] ({type(unit).__name__}) is not a submodule of the "
                              "wrapped module: pick units from the model passed to FSDP, e.g. "
                              "units=list(model.layers).")
+        if isinstance(unit, _NEVER_CALLED):
+            raise ValueError(
+                f"units[{i}] ({names[id(unit)]!r}) is a {type(unit).__name__}, which is never "
+                "called (its parent calls the modules inside), so it could never gather its "
+                f"parameters: list its elements instead, e.g. units=list(model.{names[id(unit)]}).")
         if any(unit is other for other in chosen):
             raise ValueError(f"units[{i}] ({names[id(unit)]!r}) is listed twice.")
         chosen.append(unit)
     return chosen
 
 
+#: Containers that hold modules but are never called: their parent's forward calls the
+#: modules inside, so forward hooks on the container itself never fire.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
 def default_units(module: nn.Module) -> list[nn.Module]:
     """Every direct child with trainable parameters: the layers of a Sequential, the blocks
-    of a transformer if they are its children."""
-    return [child for child in module.children()
-            if any(p.requires_grad for p in child.parameters())]
+    of a transformer if they are its children. A ModuleList or ModuleDict child contributes
+    its elements instead (it is never called, so it could not gather for them)."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, _NEVER_CALLED):
+            units += default_units(child)
+        elif any(p.requires_grad for p in child.parameters()):
+            units.append(child)
+    return units
 
 
 class FSDP(nn.Module):
@@ -367,7 +430,7 @@ class FSDP(nn.Module):
                 del place.module._parameters[place.attr]  # now a plain attribute (a view)
         unit = FlatUnit(name, unit_module, [all_names[k] for k in keys], shapes,
                         [places[k] for k in keys], offsets, total, shard, full)
-        _point_at_meta(unit)
+        _point_at_placeholders(unit)
         return unit
 
     # -- forward and backward hooks --
@@ -402,14 +465,14 @@ class FSDP(nn.Module):
 
     def reshard(self, unit: FlatUnit) -> None:
         """Free the unit's full vector (its storage becomes empty; the shard stays). The
-        unit's parameter attributes become meta tensors (shape and dtype, no data): reading
-        a view of an empty storage would crash the process. :meth:`gather_full_params`
-        reads the parameters between steps."""
+        unit's parameter attributes become :class:`ShardedPlaceholder` s (shape and dtype,
+        and an error for any operation on them). :meth:`gather_full_params` reads the
+        parameters between steps."""
         if unit.state is ShardedState.GATHERING:
             self.unshard(unit)  # a prefetch nobody used: let it land before freeing
         if unit.state is ShardedState.UNSHARDED:
             unit.full.untyped_storage().resize_(0)
-            _point_at_meta(unit)
+            _point_at_placeholders(unit)
             unit.state = ShardedState.SHARDED
 
     def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:

@@ -283,8 +283,70 @@ def test_nested_units_each_hold_their_innermost_parameters_and_train_like_one_pr
             torch.testing.assert_close(got["params"][name], want, msg=name)
 
 
+class Looped(nn.Module):
+    """Blocks in a ModuleList, called one by one by the parent's forward (as GPT code does)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def looped_worker(rank: int, world_size: int) -> dict[str, object]:
+    model = FSDP(Looped(seed=rank))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    per = 8 // world_size
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(x[rank * per:(rank + 1) * per]).square().sum().backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    return {"units": [u.name for u in model.units], "params": model.gather_full_params()}
+
+
+def test_a_module_list_child_gives_its_elements_as_units_and_trains_like_one_process():
+    net = Looped(seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (net(x).square().sum() / 2).backward()
+        opt.step()
+    for got in launch(looped_worker, 2, echo=False):
+        assert got["units"] == ["inp", "blocks.0", "blocks.1", "blocks.2"]
+        for name, want in net.state_dict().items():
+            torch.testing.assert_close(got["params"][name], want, msg=name)
+
+
+class ReadsAnotherUnitsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x) @ self.a.weight  # a's weight, outside a's forward
+
+
+def test_using_a_units_parameter_outside_its_forward_is_an_error_naming_it():
+    with pytest.raises(RankError, match=r"read a.weight, which belongs to unit 'a' and is "
+                                        r"sharded now.*not as layer.weight from another"):
+        launch(outside_use_worker, 2, echo=False, timeout=30)
+
+
 def units_error(rank: int, world_size: int, which: str) -> None:
     net = Deep()
+    if which == "list":
+        looped = Looped(seed=0)
+        FSDP(looped, units=[looped.blocks])
     units = {"itself": [net], "foreign": [nn.Linear(2, 2)], "twice": [net.layers[0]] * 2,
              "not a module": ["layers.0"]}[which]
     FSDP(net, units=units)
@@ -292,7 +354,8 @@ def units_error(rank: int, world_size: int, which: str) -> None:
 
 @pytest.mark.parametrize("which, message", [
     ("itself", "wrapped module itself"), ("foreign", "not a submodule"),
-    ("twice", "'layers.0'.* listed twice"), ("not a module", "must be an nn.Module")])
+    ("twice", "'layers.0'.* listed twice"), ("not a module", "must be an nn.Module"),
+    ("list", r"'blocks'.* is a ModuleList, which is never called.*list\(model.blocks\)")])
 def test_wrong_units_are_named_before_any_collective(which, message):
     with pytest.raises(RankError, match=message):
         launch(units_error, 2, args=(which,), echo=False, timeout=30)
@@ -343,11 +406,29 @@ def poke_worker(rank: int, world_size: int) -> list[str]:
     model(torch.ones(1, 10)).sum().backward()
     model.finish_gradient_synchronization()
     weight = net.layers[0].weight  # between steps: shape and dtype, no data to read
-    return [weight.device.type, str(tuple(weight.shape)), str((weight * 2).device)]
+    seen = [weight.device.type, str(tuple(weight.shape)), str(weight.dtype), repr(weight)]
+    for read in (lambda: weight * 2, lambda: torch.ones(1, 10) @ weight, weight.sum):
+        try:
+            read()
+            seen.append("no error")
+        except RuntimeError as err:
+            seen.append(str(err).split(":")[1].strip())
+    return seen
 
 
-def test_reading_a_sharded_parameter_between_steps_gives_a_meta_tensor_not_a_crash():
-    assert launch(poke_worker, 2, echo=False)[0] == ["meta", "(10, 10)", "meta"]
+def test_reading_a_sharded_parameter_between_steps_is_an_error_naming_it_not_garbage():
+    """A plain meta tensor would let `cpu_tensor @ weight` return uninitialised memory."""
+    seen = launch(poke_worker, 2, echo=False)[0]
+    assert seen[:3] == ["meta", "(10, 10)", "torch.float32"]
+    assert seen[3] == ("ShardedPlaceholder(layers.0.weight, shape=(10, 10), dtype=torch.float32, "
+                       "unit='layers.0')")
+    for message, op in zip(seen[4:], ["mul", "mm", "sum"], strict=True):
+        assert message.startswith(f"{op} read"), seen
+        assert "layers.0.weight, which belongs to unit 'layers.0'" in message, seen
+
+
+def outside_use_worker(rank: int, world_size: int) -> None:
+    FSDP(ReadsAnotherUnitsWeight())(torch.ones(1, 4))
 
 
 def eval_worker(rank: int, world_size: int) -> list[ShardedState]:
