@@ -11,6 +11,8 @@
     python -m labs ddp --world-size 2 --steps 20 --checkpoint run.pt --checkpoint-every 10
     python -m labs ddp --world-size 2 --steps 40 --checkpoint run.pt --resume
     torchrun --standalone --nproc_per_node=2 -m labs ddp --steps 60 --accumulation 2
+    python -m labs zero --world-size 4 --width 256 --layers 8
+    torchrun --standalone --nproc_per_node=8 -m labs zero --width 2048 --layers 16
 
 Under torchrun the world size comes from torchrun and the results are printed by rank 0;
 the workers are the same functions the notebooks launch, with the same settings objects.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from labs.bench import add_case_arguments, settings_from_args, sweep_tables, time_collectives
+from labs.ddp_experiments import StepSettings
 from labs.launch import launch, run_torchrun, under_torchrun
 from labs.toy_allreduce import (
     SEED_SENTENCES,
@@ -37,6 +40,8 @@ from labs.toy_allreduce import (
 )
 from labs.train import TrainConfig, TrainResult, Wrapper, train_worker
 from labs.viz import format_table, toy_table
+from labs.viz_zero import memory_table, traffic_table
+from labs.zero_experiments import Strategy, lab_worker
 
 
 def _run(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
@@ -103,6 +108,28 @@ def _ddp(opts: argparse.Namespace, world_size: int) -> None:
         print(_train_report(results[0]))
 
 
+def _zero(opts: argparse.Namespace, world_size: int) -> None:
+    """Chapter 6: what each ZeRO stage keeps per parameter and sends per step, measured."""
+    settings = StepSettings(width=opts.width, layers=opts.layers, batch=opts.batch,
+                            steps=opts.steps, warmup=0)
+    strategies = tuple(dict.fromkeys(_STRATEGIES[name] for name in opts.strategies))
+    results = _run(lab_worker, world_size, (settings, strategies), opts.backend,
+                   timeout=opts.timeout)
+    if results is None:
+        return  # under torchrun, rank 0 prints
+    reports, traffic = results[0]
+    print(f"MLP of {settings.layers} x Linear({settings.width}, {settings.width}): "
+          f"{settings.parameters:,} parameters, Adam, fp32; rank 0 of {world_size}")
+    print(memory_table({(s, world_size): r for s, r in reports.items()}))
+    print()
+    print(traffic_table(traffic))
+
+
+#: --strategies names -> Strategy
+_STRATEGIES = {"ddp": Strategy.DDP, "zero1": Strategy.ZERO1, "zero2": Strategy.ZERO2,
+               "fsdp": Strategy.ZERO3}
+
+
 def _train_report(result: TrainResult, rows: int = 10) -> str:
     """The loss every few steps (every step for short runs), then the throughput."""
     every = max(1, result.steps // rows)
@@ -158,7 +185,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ddp.add_argument("--timeout", type=float, default=600.0,
                      help="seconds before local ranks are killed (ignored under torchrun)")
     ddp.set_defaults(run=_ddp)
-    for lab in (toy, grads, col, ddp):
+    zero = sub.add_parser("zero", help="chapter 6: memory per parameter and traffic per step "
+                          "of DDP, ZeRO-1, ZeRO-2 and FSDP, measured")
+    zero.add_argument("--strategies", nargs="+", choices=list(_STRATEGIES),
+                      default=list(_STRATEGIES), help="which to run (default: all)")
+    zero.add_argument("--width", type=int, default=256, help="width of the MLP's layers")
+    zero.add_argument("--layers", type=int, default=8, help="Linear layers in the MLP")
+    zero.add_argument("--batch", type=int, default=8, help="rows per rank")
+    zero.add_argument("--steps", type=int, default=2,
+                      help="Adam steps per strategy (the last one is measured)")
+    zero.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds before local ranks are killed (ignored under torchrun)")
+    zero.set_defaults(run=_zero)
+    for lab in (toy, grads, col, ddp, zero):
         lab.add_argument("--world-size", type=int, default=4,
                          help="ranks to launch on this machine (ignored under torchrun)")
         lab.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")

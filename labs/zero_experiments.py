@@ -238,6 +238,18 @@ def measure_traffic(world_sizes: Sequence[int], settings: StepSettings,
     return rows
 
 
+def lab_worker(rank: int, world_size: int, settings: StepSettings,
+               strategies: Sequence[Strategy]) -> tuple[dict[Strategy, MemoryReport],
+                                                        list[TrafficRow]]:
+    """Chapter 6 in one launch (``python -m labs zero``, under torchrun too): for each
+    strategy, this rank's memory report (:func:`memory_worker`) and one step's traffic
+    (:func:`traffic_worker`), all on the same process group."""
+    reports = {s: memory_worker(rank, world_size, settings, s) for s in strategies}
+    traffic = [TrafficRow(s, world_size, *traffic_worker(rank, world_size, settings, s))
+               for s in strategies]
+    return reports, traffic
+
+
 # --- the arithmetic: bytes per parameter ---------------------------------------------------------
 
 

@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
+from labs import __main__ as labs_cli
 from labs.ddp_experiments import StepSettings
 from labs.zero_experiments import (
     Group,
@@ -85,3 +91,51 @@ def test_max_parameters_on_four_8_gb_gpus():
     gb = 8 * 10**9
     assert max_parameters(gb, Recipe.FP32, 0, 4) == 500_000_000  # not the 2 B of the text
     assert max_parameters(gb, Recipe.FP32, 3, 4) == 2_000_000_000  # not 8 B
+
+
+# --- python -m labs zero -----------------------------------------------------------------------
+
+
+def _after_step(printed: str) -> dict[str, tuple[float, ...]]:
+    """strategy -> bytes per parameter after the step (params, grads, Adam), from the
+    memory table (the first table printed)."""
+    found: dict[str, tuple[float, ...]] = {}
+    for line in printed.splitlines():
+        cells = re.search(r"(\d+\.\d+) / (\d+\.\d+) / (\d+\.\d+)", line)
+        strategy = next((s.value for s in Strategy if line.strip().startswith(s.value)), None)
+        if cells and strategy and strategy not in found:
+            found[strategy] = tuple(float(c) for c in cells.groups())
+    return found
+
+
+def test_lab_zero_prints_memory_and_traffic_per_strategy(capsys):
+    labs_cli.main(["zero", "--world-size", "2", "--width", "64", "--layers", "2",
+                   "--strategies", "ddp", "fsdp"])
+    printed = capsys.readouterr().out
+    held = _after_step(printed)
+    assert held == {"DDP": (4.0, 4.0, 8.0), "FSDP (ZeRO-3)": (2.0, 2.0, 4.0)}, printed
+    traffic = [line.split() for line in printed.splitlines() if line.startswith("FSDP")]
+    assert traffic[-1][-2:] == ["1.5000", "1.5000"]  # 3(N-1)/N, measured and closed form
+
+
+def test_lab_zero_runs_under_torchrun():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "labs", "zero", "--width", "32",
+         "--layers", "2", "--strategies", "zero2", "--backend", "gloo"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("rank 0 of 2") == 1, out.stdout  # printed once, by rank 0
+    params, grads, adam = _after_step(out.stdout)["ZeRO-2"]
+    assert (params, grads) == (4.0, 2.0) and adam == pytest.approx(4.0, abs=0.02), out.stdout
+
+
+def test_lab_zero_refuses_bad_settings_before_any_rank_starts(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a launch started although the settings were bad")
+    monkeypatch.setattr(labs_cli, "launch", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        labs_cli.main(["zero", "--width", "0"])
+    assert exit_info.value.code == 2
+    assert "width must be a positive int" in capsys.readouterr().err
