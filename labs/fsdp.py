@@ -239,6 +239,11 @@ def _reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
     return _Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
 
 
+#: Containers that hold modules but are never called: their parent's forward calls the
+#: modules inside, so forward hooks on the container itself never fire.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
 def _checked_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]:
     """``units`` as a list, after the checks that make a wrong one a clear error."""
     names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
@@ -263,11 +268,6 @@ def _checked_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Mod
             raise ValueError(f"units[{i}] ({names[id(unit)]!r}) is listed twice.")
         chosen.append(unit)
     return chosen
-
-
-#: Containers that hold modules but are never called: their parent's forward calls the
-#: modules inside, so forward hooks on the container itself never fire.
-_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
