@@ -250,19 +250,33 @@ def nested_net(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), block, nn.Tanh(), nn.Linear(8, 2))
 
 
-def nested_worker(rank: int, world_size: int, inner_first: bool) -> dict[str, object]:
-    """Units that nest (the block, and the first layer inside it), listed in either order."""
-    net = nested_net(seed=rank)
-    inner, outer = net[1][0], net[1]
-    model = FSDP(net, units=[inner, outer] if inner_first else [outer, inner])
+def squares_input() -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+
+
+def train_squares(model: nn.Module, x: torch.Tensor, scale: float = 1.0) -> None:
+    """STEPS SGD steps on sum(model(x)^2) * scale; an FSDP model synchronises each step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
-    per = 8 // world_size
     for _ in range(STEPS):
         opt.zero_grad()
-        model(x[rank * per:(rank + 1) * per]).square().sum().backward()
-        model.finish_gradient_synchronization()
+        (model(x).square().sum() * scale).backward()
+        if isinstance(model, FSDP):
+            model.finish_gradient_synchronization()
         opt.step()
+
+
+def squares_worker(rank: int, world_size: int, build: str, inner_first: bool = False
+                   ) -> dict[str, object]:
+    """FSDP on this rank's rows of squares_input(): units that nest (the block and the first
+    layer inside it, listed in either order), or a model whose blocks sit in a ModuleList."""
+    if build == "nested":
+        net = nested_net(seed=rank)
+        inner, outer = net[1][0], net[1]
+        model = FSDP(net, units=[inner, outer] if inner_first else [outer, inner])
+    else:
+        model = FSDP(Looped(seed=rank))
+    per = 8 // world_size
+    train_squares(model, squares_input()[rank * per:(rank + 1) * per])
     return {"units": {u.name: u.numel for u in model.units}, "params": model.gather_full_params()}
 
 
@@ -270,13 +284,8 @@ def nested_worker(rank: int, world_size: int, inner_first: bool) -> dict[str, ob
 def test_nested_units_each_hold_their_innermost_parameters_and_train_like_one_process(
         inner_first):
     net = nested_net(seed=0)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
-    for _ in range(STEPS):
-        opt.zero_grad()
-        (net(x).square().sum() / 4).backward()  # the mean over 4 ranks of per-rank sums
-        opt.step()
-    for got in launch(nested_worker, 4, args=(inner_first,), echo=False):
+    train_squares(net, squares_input(), scale=1 / 4)  # the mean over 4 ranks of their sums
+    for got in launch(squares_worker, 4, args=("nested", inner_first), echo=False):
         # the inner layer's 72, the block's other layer's 72, the rest (40 + 18) in the root
         assert got["units"] == {"1.0": 72, "1": 72, "root": 58}
         for name, want in net.state_dict().items():
@@ -299,29 +308,11 @@ class Looped(nn.Module):
         return x
 
 
-def looped_worker(rank: int, world_size: int) -> dict[str, object]:
-    model = FSDP(Looped(seed=rank))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
-    per = 8 // world_size
-    for _ in range(STEPS):
-        opt.zero_grad()
-        model(x[rank * per:(rank + 1) * per]).square().sum().backward()
-        model.finish_gradient_synchronization()
-        opt.step()
-    return {"units": [u.name for u in model.units], "params": model.gather_full_params()}
-
-
 def test_a_module_list_child_gives_its_elements_as_units_and_trains_like_one_process():
     net = Looped(seed=0)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
-    for _ in range(STEPS):
-        opt.zero_grad()
-        (net(x).square().sum() / 2).backward()
-        opt.step()
-    for got in launch(looped_worker, 2, echo=False):
-        assert got["units"] == ["inp", "blocks.0", "blocks.1", "blocks.2"]
+    train_squares(net, squares_input(), scale=1 / 2)
+    for got in launch(squares_worker, 2, args=("looped",), echo=False):
+        assert list(got["units"]) == ["inp", "blocks.0", "blocks.1", "blocks.2"]
         for name, want in net.state_dict().items():
             torch.testing.assert_close(got["params"][name], want, msg=name)
 
