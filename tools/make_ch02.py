@@ -455,7 +455,9 @@ $S$ divided by the time; `busbw` multiplies it by $2\frac{N-1}{N}$, the bytes ea
 move per byte of $S$, so that it can be compared with a link's speed whatever $N$ is. The
 last table is the ratio of the ring's bus bandwidth to torch's (above 1: the ring is faster).
 These are the course's performance figures for the ring; the full sweep over every
-collective and size is `python -m labs.bench collectives`. On a machine shared with other
+collective and size is `python -m labs.bench collectives`, and `python -m labs collectives`
+prints the same table from ranks that `torchrun` started, across nodes too, where the ring's
+messages cross a real network. On a machine shared with other
 work the timings move from run to run, small sizes most, and on a small machine they also
 move from launch to launch, with the way the ranks happen to share the cores; so the cell
 pools the iterations of three launches per world size, and each launch alternates the order

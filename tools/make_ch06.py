@@ -209,7 +209,9 @@ under each strategy and records, at every moment the strategy exposes (after for
 gather, free and reduce-scatter, after backward, after the step), the bytes of every tensor
 storage rank 0 holds: parameters, gradients and optimizer state (labs.memory counts each
 storage once, at its size at that moment, so a freed full vector counts 0). Divided by the
-number of parameters:
+number of parameters (`python -m labs zero` prints this table and the traffic table below
+from a shell, or from ranks that `torchrun` started on a GPU node, with `--width` and
+`--layers` for a larger model):
 """),
     code("""
 WORLD_SIZES = (1, 2, 4, 8)
