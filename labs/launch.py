@@ -223,7 +223,8 @@ def launch(
         args: extra positional arguments, sent by value to every rank.
         backend: ``"auto"`` (nccl when there is one GPU per rank, gloo otherwise),
             ``"gloo"`` or ``"nccl"``. Under nccl, rank k uses ``cuda:k``.
-        timeout: seconds before still-running ranks are killed and LaunchTimeout is raised.
+        timeout: seconds the ranks may run, counted once all of them have started; then
+            those still running are killed and LaunchTimeout is raised.
         echo: print what each rank printed, prefixed ``[rank k]``, after the ranks finish.
         start_method: how rank processes are created; keep the default.
 
@@ -257,7 +258,9 @@ def launch(
         try:
             for spec in specs:
                 ranks.append(_Rank.start(ctx, payload, spec))
-            outcome = _supervise(ranks, deadline=started + timeout)
+            # The clock starts once every rank exists: the first launch also starts the
+            # forkserver, which imports torch (seconds on a GPU box), and that is no rank's fault.
+            outcome = _supervise(ranks, deadline=time.monotonic() + timeout)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
             _stop(ranks, outcome)
         stdout = [_read(spec.stdout_path) for spec in specs]
@@ -335,23 +338,34 @@ def _check_inputs(
     return _choose_backend(backend, world_size)
 
 
-def _choose_backend(backend: object, world_size: int) -> Backend:
+def _choose_backend(backend: object, world_size: int, *, ranks: str = "world_size") -> Backend:
+    """The backend for ``world_size`` ranks on this machine (``ranks`` names that number in
+    the error message)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pick_backend(backend, world_size, gpus, dist.is_nccl_available(), ranks=ranks)
+
+
+def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bool, *,
+                 ranks: str = "world_size") -> Backend:
+    """``"auto"`` is nccl when each of the ``ranks_here`` processes on this machine can have a
+    GPU of its own, gloo otherwise; ``"nccl"`` without one GPU per process is an error.
+
+    The answer depends only on numbers every process of a machine shares, so all of them
+    pick the same backend: a process group whose ranks disagree waits forever."""
     names = {"auto", *(b.value for b in Backend)}
     if isinstance(backend, Backend):
         backend = backend.value
     if backend not in names:
         raise ValueError(f"backend must be one of {sorted(names)}, got {backend!r}.")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        nccl_ok = gpus >= world_size and dist.is_nccl_available()
-        return Backend.NCCL if nccl_ok else Backend.GLOO
+        return Backend.NCCL if gpus >= ranks_here and nccl_available else Backend.GLOO
     if backend == Backend.NCCL.value:
-        if gpus < world_size:
+        if gpus < ranks_here:
             raise ValueError(
                 f"NCCL needs one GPU per rank; use backend='gloo' "
-                f"(world_size={world_size}, GPUs visible: {gpus})."
+                f"({ranks}={ranks_here}, GPUs visible: {gpus})."
             )
-        if not dist.is_nccl_available():
+        if not nccl_available:
             raise ValueError("this torch build has no NCCL; use backend='gloo'.")
     return Backend(backend)
 
@@ -685,17 +699,13 @@ def run_torchrun(
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        backend = "nccl" if gpus > local_rank and dist.is_nccl_available() else "gloo"
-    if backend == Backend.NCCL.value:
-        if gpus <= local_rank:
-            raise ValueError(
-                f"NCCL needs one GPU per rank; use backend='gloo' (LOCAL_RANK={local_rank}, "
-                f"GPUs visible: {gpus})."
-            )
+    # Decided from LOCAL_WORLD_SIZE, which every process of this node shares: deciding from
+    # LOCAL_RANK would give nccl to the first processes and gloo to the rest, and hang.
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    chosen = _choose_backend(backend, local_world_size, ranks="LOCAL_WORLD_SIZE")
+    if chosen is Backend.NCCL:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend)
+    dist.init_process_group(chosen.value)
     try:
         value = _to_cpu(fn(rank, world_size, *args))
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None

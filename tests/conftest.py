@@ -23,8 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from labs import launch
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` skip cleanly on a machine without CUDA."""
@@ -139,12 +137,3 @@ def no_leftover_processes(procs: Processes) -> Iterator[None]:
     yield
     left = procs.leftovers(within=3.0)
     assert not left, f"processes left running after the test: {list(left.values())}"
-
-
-@pytest.fixture
-def warm_forkserver(procs: Processes) -> None:
-    """Start the forkserver before a test that measures time: its first start imports torch
-    (a second or more on 2 cores), and that counts against the launch's timeout."""
-    pid = procs.forkserver_pid()
-    if pid is None or not procs.running(pid):
-        launch(lambda rank, world_size: None, 1, echo=False)

@@ -27,6 +27,7 @@ from nbclient import NotebookClient
 
 import labs
 from labs import Backend, LaunchTimeout, RankError, RankResults, launch
+from labs.launch import pick_backend
 
 from launch_driver import meet  # the same rendezvous helper the two-process test runs
 
@@ -93,6 +94,32 @@ def test_auto_backend_is_gloo_unless_there_is_a_gpu_per_rank():
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     expected = Backend.NCCL if gpus >= 2 and dist.is_nccl_available() else Backend.GLOO
     assert launch(return_rank, 2, echo=False).backend is expected
+
+
+@pytest.mark.parametrize("backend, ranks_here, gpus, nccl, expected", [
+    ("auto", 2, 0, True, Backend.GLOO),
+    ("auto", 2, 1, True, Backend.GLOO),   # torchrun --nproc_per_node=2 on a 1-GPU box: all gloo
+    ("auto", 2, 2, True, Backend.NCCL),
+    ("auto", 1, 8, True, Backend.NCCL),
+    ("auto", 4, 8, False, Backend.GLOO),  # a torch build without NCCL
+    ("gloo", 4, 8, True, Backend.GLOO),
+    ("nccl", 4, 4, True, Backend.NCCL),
+])
+def test_every_process_of_a_machine_picks_the_same_backend(backend, ranks_here, gpus, nccl,
+                                                           expected):
+    """Promise 1: the choice depends on how many processes share the machine, never on which
+    one asks (under torchrun a choice by LOCAL_RANK gave rank 0 nccl and rank 1 gloo on a
+    1-GPU box, and the group hung)."""
+    assert pick_backend(backend, ranks_here, gpus, nccl) is expected
+
+
+@pytest.mark.parametrize("ranks_here, gpus, nccl, message", [
+    (2, 1, True, r"NCCL needs one GPU per rank; use backend='gloo' \(LOCAL_WORLD_SIZE=2, GPUs"),
+    (1, 1, False, "this torch build has no NCCL; use backend='gloo'"),
+])
+def test_nccl_without_a_gpu_per_process_is_refused(ranks_here, gpus, nccl, message):
+    with pytest.raises(ValueError, match=message):
+        pick_backend("nccl", ranks_here, gpus, nccl, ranks="LOCAL_WORLD_SIZE")
 
 
 def distinct_pids(rank: int, world_size: int) -> int:
@@ -336,7 +363,6 @@ def sleep_in_one_rank(rank: int, world_size: int) -> int:
     return rank
 
 
-@pytest.mark.usefixtures("warm_forkserver")
 @pytest.mark.parametrize(
     ("fn", "world_size", "stuck", "where"),
     [
@@ -539,6 +565,18 @@ def test_shutdown_leaves_no_process_at_all(procs):
     while (left := procs.descendants()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, left
+
+
+def test_the_forkserver_start_does_not_count_against_the_timeout():
+    """Promise 6: the timeout is the ranks' own. The first launch after shutdown starts the
+    forkserver, which imports torch (two seconds here, more with a CUDA build); that time is
+    not the ranks' and must not turn into a LaunchTimeout (it did, failing exercise checks
+    with a 10-second timeout on a GPU box)."""
+    labs.shutdown()
+    timeout = 0.5
+    results = launch(return_rank, 1, timeout=timeout, echo=False)
+    assert results == [0]
+    assert results.seconds > timeout  # the cold start itself took longer than the timeout
 
 
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
