@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from labs.collectives import Algorithm, Collective, all_gather, reduce_scatter, shard_bounds
+from labs.launch import rank_device
 
 if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn (ranks import this)
     from matplotlib.figure import Figure
@@ -430,7 +431,8 @@ def reduce_scatter_memory(
     (:class:`ReduceScatterMoment`).
     """
     timeline = MemoryTimeline(rank)
-    gradient = torch.full((settings.numel,), float(rank + 1), dtype=settings.dtype)  # 1-D, S
+    gradient = torch.full((settings.numel,), float(rank + 1), dtype=settings.dtype,
+                          device=rank_device())  # 1-D, S
     timeline.record(ReduceScatterMoment.GRADIENT, gradient=gradient)
     with AllocationTracker() as during:
         shard = reduce_scatter(gradient, algorithm=settings.algorithm)  # 1-D, ~S/N
@@ -453,7 +455,7 @@ def all_gather_memory(
     bounds = shard_bounds(settings.numel, world_size)
     timeline = MemoryTimeline(rank)
     shard = torch.full((bounds[rank + 1] - bounds[rank],), float(rank + 1),
-                       dtype=settings.dtype)  # 1-D, chunk r of shard_bounds
+                       dtype=settings.dtype, device=rank_device())  # 1-D, chunk r of shard_bounds
     timeline.record(AllGatherMoment.BEFORE, shard=shard)
     with AllocationTracker() as during:
         gathered = all_gather(shard, numel=settings.numel, algorithm=settings.algorithm)

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labs.launch import rank_device
+
 #: The per-rank gradients of ``W_query[0, 0]`` in the seed story (ranks 0..3).
 SEED_GRADIENTS: tuple[float, ...] = (0.1, -0.2, 0.4, -0.1)
 #: The text each of the four ranks trains on in the seed story.
@@ -86,12 +88,13 @@ class ToyRankRecord:
 
 def toy_all_reduce_step(rank: int, world_size: int, config: ToyAllReduceConfig) -> ToyRankRecord:
     """One rank of the toy: all-reduce its gradient, average, take one SGD step."""
-    grad = torch.tensor([config.gradients(world_size)[rank]], dtype=torch.float32)
+    device = rank_device()  # the CPU under gloo, this rank's GPU under nccl
+    grad = torch.tensor([config.gradients(world_size)[rank]], dtype=torch.float32, device=device)
     local_grad = grad.item()
     dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # every rank now holds the sum
     summed = grad.item()
     grad /= world_size  # the average: all_reduce sums, the division is ours
-    param = torch.tensor([config.param], dtype=torch.float32)
+    param = torch.tensor([config.param], dtype=torch.float32, device=device)
     param_before = param.item()
     param -= config.lr * grad  # the same update on every rank
     return ToyRankRecord(
@@ -137,7 +140,7 @@ def encode(sentence: str) -> torch.Tensor:
 
 def sentence_loss(model: nn.Module, sentence: str) -> torch.Tensor:
     """Mean next-character cross-entropy over one sentence: the loss of one sample."""
-    ids = encode(sentence)
+    ids = encode(sentence).to(next(model.parameters()).device)
     return F.cross_entropy(model(ids[:-1]), ids[1:])
 
 
@@ -191,7 +194,7 @@ def data_parallel_gradients(
     rank: int, world_size: int, sentences: Sequence[str], seed: int = 0
 ) -> RankGradients:
     """Each rank: same model, own shard of the sentences, backward, then average gradients."""
-    model = make_model(seed)
+    model = make_model(seed).to(rank_device())
     local_batch = shard_sentences(sentences, rank, world_size)
     loss = batch_loss(model, local_batch)
     loss.backward()

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from IPython.display import Code, display
 
-from labs import RankError, launch
+from labs import RankError, launch, rank_device
 from labs.checks import check_average_gradients
 from labs.toy_allreduce import (
     SEED_GRADIENTS, SEED_SENTENCES, ToyAllReduceConfig, batch_loss, data_parallel_gradients,
@@ -63,6 +63,11 @@ Inside `fn`, `torch.distributed` is ready to use: `dist.get_rank()` agrees with 
 argument, and collectives such as `dist.all_reduce` reach the other three processes.
 `hello` was defined in this notebook; `launch` sends it to the ranks by value, which is why
 the exercises below can be written in notebook cells.
+
+Which backend the group uses depends on the machine: `launch` picks NCCL when every rank can
+have a GPU of its own and gloo otherwise. NCCL only moves tensors that live on the GPU, so the
+workers of this book create theirs on `rank_device()`, which is the CPU under gloo and the
+rank's own GPU under NCCL; the same cells then run on a laptop and on a GPU box.
 
 ## Four ranks, one gradient
 
@@ -136,7 +141,7 @@ not how the collective works:
 """),
     code("""
 def all_reduce_avg(rank, world_size, grads):
-    grad = torch.tensor([grads[rank]], dtype=torch.float32)
+    grad = torch.tensor([grads[rank]], dtype=torch.float32, device=rank_device())
     dist.all_reduce(grad, op=dist.ReduceOp.AVG)
     return grad.item()
 
@@ -221,7 +226,7 @@ SUM and no division. Then the ranks' contributions add up to exactly the full-ba
 """),
     code("""
 def weighted_gradients(rank, world_size, sentences):
-    model = make_model()
+    model = make_model().to(rank_device())
     mine = shard_sentences(sentences, rank, world_size)
     loss = batch_loss(model, mine) * len(mine) / len(sentences)  # sum over mine / global count
     loss.backward()

@@ -470,7 +470,11 @@ What to expect before looking: for CPU tensors gloo's own all-reduce is a ring t
 flight, the addition of one overlapped with the transfer of the next), over the same TCP
 connections that `isend` and `irecv` use here. Same algorithm, same bytes, same transport:
 the two can differ only by what Python adds per message and by how well each overlaps
-sending with adding, so ratios near 1 are the expected result, not a tie by luck.
+sending with adding. Where the transfers take long next to that overhead, as on the small
+machine that executed this page, ratios near 1 are the expected result, not a tie by luck.
+Where they are fast (more cores, more memory bandwidth), Python's share of each step grows
+and gloo's C++ loop can pull ahead: run the benchmark on your machine rather than trust these
+numbers for it.
 """),
     code("""
 bench_settings = SweepSettings(

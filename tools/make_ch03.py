@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from IPython.display import Code, display
 
-from labs import collectives, launch
+from labs import collectives, launch, rank_device
 from labs.checks import check_ring_reduce_scatter
 from labs.collectives import Algorithm, Collective, Recorder, shard_bounds
 from labs.experiments import TraceSettings, run_ring_trace
@@ -77,10 +77,10 @@ and, for contrast, an all-reduce:
 """),
     code("""
 def three_collectives(rank, world_size, grads):
-    grad = torch.tensor(grads[rank])                  # this rank's gradient of A..D, float32
+    grad = torch.tensor(grads[rank], device=rank_device())  # this rank's gradients of A..D
     ring = collectives.ring_reduce_scatter(grad)      # 1-D: chunk `rank` of the sum
     builtin = torch.empty_like(ring)
-    reduce_scatter_single(builtin, grad)              # torch.distributed's (gloo here)
+    reduce_scatter_single(builtin, grad)              # torch.distributed's own
     everything = grad.clone()
     dist.all_reduce(everything)                       # every sum, on every rank
     return ring, builtin, everything
@@ -184,7 +184,8 @@ tensor has 840 float32 elements, which every $N$ from 2 to 8 divides:
     code("""
 def reduce_scatter_traffic(rank, world_size, numel):
     recorder = Recorder()
-    collectives.ring_reduce_scatter(torch.ones(numel), recorder=recorder, segment_bytes=None)
+    gradient = torch.ones(numel, device=rank_device())
+    collectives.ring_reduce_scatter(gradient, recorder=recorder, segment_bytes=None)
     return recorder.stats
 
 NUMEL = 840
@@ -339,8 +340,8 @@ for comparison: all-reduce the whole gradient, then update every parameter on ev
 LR = 0.001
 
 def sharded_step(rank, world_size, grads, start, lr):
-    grad = torch.tensor(grads[rank])                  # full gradient, only needed until here
-    params = torch.tensor(start)                      # the same on every rank
+    grad = torch.tensor(grads[rank], device=rank_device())   # full gradient, needed until here
+    params = torch.tensor(start, device=rank_device())       # the same on every rank
     bounds = shard_bounds(params.numel(), world_size)
     mine = params[bounds[rank]:bounds[rank + 1]].clone()    # the shard this rank owns
     summed = collectives.ring_reduce_scatter(grad)          # its chunk of the summed gradient

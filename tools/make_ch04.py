@@ -38,7 +38,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from labs import collectives, launch
+from labs import collectives, launch, rank_device
 from labs.checks import check_composed_all_reduce, check_ring_all_gather
 from labs.collectives import Collective, Recorder, shard_bounds
 from labs.experiments import TraceSettings, run_ring_trace
@@ -77,10 +77,10 @@ matrix as one process holds it:
 """),
     code("""
 def gather_rows(rank, world_size, w):
-    row = torch.tensor(w[rank])                        # this rank's shard: 4 elements
+    row = torch.tensor(w[rank], device=rank_device())  # this rank's shard: 4 elements
     ring = collectives.ring_all_gather(row)            # 1-D, 16 elements, rows in rank order
-    builtin = torch.empty(world_size * row.numel())
-    all_gather_single(builtin, row)                    # torch.distributed's (gloo here)
+    builtin = torch.empty(world_size * row.numel(), device=row.device)
+    all_gather_single(builtin, row)                    # torch.distributed's own
     return row, ring, builtin
 
 gathered = launch(gather_rows, world_size=4, args=(W_QUERY,))
@@ -130,7 +130,7 @@ of 840 float32 elements:
 def all_gather_traffic(rank, world_size, numel):
     bounds = shard_bounds(numel, world_size)
     recorder = Recorder()
-    shard = torch.ones(bounds[rank + 1] - bounds[rank])
+    shard = torch.ones(bounds[rank + 1] - bounds[rank], device=rank_device())
     collectives.ring_all_gather(shard, numel=numel, recorder=recorder, segment_bytes=None)
     return recorder.stats
 
@@ -168,8 +168,8 @@ X_TOKENS = (
 
 def queries_with_gathered_weights(rank, world_size, w, x):
     timeline = MemoryTimeline(rank)
-    shard = torch.tensor(w[rank])                      # row `rank` of W_query, 4 elements
-    embeddings = torch.tensor(x)                       # 3 tokens x 4
+    shard = torch.tensor(w[rank], device=rank_device())   # row `rank` of W_query, 4 elements
+    embeddings = torch.tensor(x, device=rank_device())    # 3 tokens x 4
     timeline.record("before all-gather", shard=shard)
     with AllocationTracker() as during:
         gathered = collectives.ring_all_gather(shard)  # 1-D, 16 elements
@@ -328,7 +328,7 @@ the chunks are uneven:
     code("""
 def composed_vs_ring(rank, world_size, numel, seed):
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn(numel, generator=generator)
+    x = torch.randn(numel, generator=generator).to(rank_device())
     scatter, gather, whole = Recorder(), Recorder(), Recorder()
     shard = collectives.ring_reduce_scatter(x, recorder=scatter)
     composed = collectives.ring_all_gather(shard, numel=numel, recorder=gather)

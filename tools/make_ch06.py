@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labs import launch
+from labs import launch, rank_device
 from labs.checks import check_fsdp_linear_forward, check_reduce_scatter_grad, check_sharded_sgd_step
 from labs.collectives import Algorithm, Recorder, ring_all_gather, ring_reduce_scatter
 from labs.ddp_experiments import StepSettings, mlp
@@ -104,10 +104,10 @@ BATCH = torch.randn(16, SETTINGS.width, generator=torch.Generator().manual_seed(
 
 def train_zero(rank, world_size, stage, steps=3):
     torch.manual_seed(rank)                       # different on every rank ...
-    net = mlp(SETTINGS, seed=rank)
+    net = mlp(SETTINGS, seed=rank).to(rank_device())
     opt = ShardedOptimizer(net.parameters(), torch.optim.Adam, stage=stage, lr=1e-2)
     share = len(BATCH) // world_size              # ... until the broadcast in here
-    x = BATCH[rank * share:(rank + 1) * share]
+    x = BATCH[rank * share:(rank + 1) * share].to(rank_device())
     for _ in range(steps):
         opt.zero_grad()
         net(x).square().mean().backward()
@@ -157,9 +157,9 @@ The events of one step on 2 ranks, for a 3-layer model (rank 0):
     code("""
 def fsdp_events(rank, world_size):
     events = []
-    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]).to(rank_device())
     model = FSDP(net, observer=lambda event, unit: events.append(f"{event.value}: layer {unit}"))
-    model(torch.ones(2, 8)).sum().backward()
+    model(torch.ones(2, 8, device=rank_device())).sum().backward()
     model.finish_gradient_synchronization()
     return events
 
@@ -174,11 +174,11 @@ output layer, a frozen layer, a buffer and sizes that $N$ does not divide.)
 """),
     code("""
 def train_fsdp(rank, world_size, collectives, steps=3):
-    net = mlp(SETTINGS, seed=rank)
+    net = mlp(SETTINGS, seed=rank).to(rank_device())
     model = FSDP(net, collectives=collectives)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     share = len(BATCH) // world_size
-    x = BATCH[rank * share:(rank + 1) * share]
+    x = BATCH[rank * share:(rank + 1) * share].to(rank_device())
     for _ in range(steps):
         opt.zero_grad()
         model(x).square().mean().backward()
