@@ -13,6 +13,7 @@ from functools import partial
 import torch
 from torch import nn
 
+import labs
 from labs import models
 
 VOCAB, DIM, BATCH, STEPS = 11, 6, 8, 3
@@ -25,6 +26,12 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, float]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
     "adam": (torch.optim.Adam, {"lr": 0.05}),
 }
+
+
+def launch(fn, world_size, **kwargs):
+    """labs.launch on gloo: the workers of these tests build their tensors on the CPU, and on
+    a box with a GPU per rank "auto" would pick NCCL, which needs CUDA tensors."""
+    return labs.launch(fn, world_size, backend="gloo", **kwargs)
 
 
 def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:

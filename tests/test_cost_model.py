@@ -173,7 +173,7 @@ def test_the_model_counts_what_the_collectives_send(world_size):
     that sends and receives the most has as many messages and bytes as the formula says."""
     numel = 12 * world_size
     size = numel * 4
-    per_rank = launch(_count_messages, world_size, args=(numel,), echo=False)
+    per_rank = launch(_count_messages, world_size, args=(numel,), backend="gloo", echo=False)
     for algorithm in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING, Algorithm.NAIVE,
                       Algorithm.WHOLE_TENSOR_RING):
         model = coefficients(algorithm, world_size)

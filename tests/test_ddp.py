@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs import RankError, launch
+from labs import RankError
 from labs.ddp import DDP, NaiveDDP, assign_buckets, params_in_graph, trainable_parameters
 
 from parity import (
@@ -21,6 +21,7 @@ from parity import (
     STEPS,
     TiedNet,
     assert_states_match,
+    launch,
     loss_of,
     make_optimizer,
     rank_batch,

@@ -230,7 +230,7 @@ def awkward_worker(rank: int, world_size: int) -> dict[str, object]:
 @needs_fully_shard
 def test_what_fully_shard_does_with_the_awkward_parts():
     n = 4
-    facts = launch(awkward_worker, n, echo=False, timeout=120)
+    facts = launch(awkward_worker, n, backend="gloo", echo=False, timeout=120)  # a CPU mesh
     embed_rows = [piece for piece in torch.arange(SETTINGS.vocab).chunk(n)]
     for rank, f in enumerate(facts):
         # no broadcast: the full embedding is stitched from every rank's own rows

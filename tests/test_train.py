@@ -26,7 +26,9 @@ from labs.train import (
 
 
 def train(world_size: int = 2, **settings: object) -> list[TrainResult]:
-    return launch(train_worker, world_size, args=(TrainConfig(**settings),), echo=False)
+    # A generous timeout: many test workers at once can oversubscribe a machine's cores.
+    return launch(train_worker, world_size, args=(TrainConfig(**settings),), echo=False,
+                  timeout=300)
 
 
 def assert_ranks_agree(results: list[TrainResult]) -> None:
@@ -83,7 +85,12 @@ def test_accumulating_two_micro_batches_equals_one_batch_twice_as_large(wrapper)
     split = train(steps=8, batch_size=4, accumulation=2, wrapper=wrapper)
     assert_ranks_agree(split)
     torch.testing.assert_close(split[0].losses, big[0].losses)
-    assert split[0].checksum == pytest.approx(big[0].checksum, rel=1e-6)
+    # Adam scales each gradient element by its own running size, so where an element is
+    # near zero, a rounding difference of the two summation orders can move that parameter
+    # by up to lr in a step; how often depends on the CPU's kernels (a 16-core machine
+    # moved the sum of the parameters by 4e-4, with lr = 1e-2). The curves above are the
+    # claim; the checksum only has to stay within one lr.
+    assert split[0].checksum == pytest.approx(big[0].checksum, abs=TrainConfig().lr)
     assert split[0].tokens == big[0].tokens
 
 

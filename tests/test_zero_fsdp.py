@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs import RankError, launch
+from labs import RankError
 from labs.collectives import Algorithm, Recorder
 from labs.fsdp import FSDP, ShardedState
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
@@ -24,6 +24,7 @@ from parity import (
     TiedNet,
     assert_states_match,
     batch,
+    launch,
     loss_of,
     rank_batch,
     reference_run,
