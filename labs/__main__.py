@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from labs.bench import add_case_arguments, settings_from_args, sweep_tables, time_collectives
+from labs.bench_collectives import add_case_arguments, settings_from_args, sweep_tables
 from labs.ddp_experiments import StepSettings
 from labs.launch import launch, run_torchrun, under_torchrun
+from labs.timing import time_collectives
 from labs.toy_allreduce import (
     SEED_SENTENCES,
     ToyAllReduceConfig,

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from labs.bench import (
+from labs.collectives import Algorithm, Collective
+from labs.launch import launch
+from labs.timing import (
     P2PPattern,
     PointTiming,
     Statistic,
@@ -43,13 +45,11 @@ from labs.bench import (
     time_p2p,
     time_reduction,
 )
-from labs.collectives import Algorithm, Collective
-from labs.launch import launch
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from labs.bench import CollectiveTiming
+    from labs.timing import CollectiveTiming
 
 # Ranks import this module to find _cost_points: matplotlib is imported where a figure is made.
 
@@ -223,7 +223,7 @@ def fit_alpha_beta(
     """Measure on ``world_size`` real ranks and fit the model (one launch).
 
     Ranks 0 and 1 exchange messages of each size in ``sizes`` (the other ranks wait; see
-    :func:`labs.bench.time_p2p` for ``pattern``: an exchange, each rank sending and receiving
+    :func:`labs.timing.time_p2p` for ``pattern``: an exchange, each rank sending and receiving
     m bytes at once, is what one step of a ring or of recursive doubling does); then every
     rank times ``torch.add`` on each of ``reduce_sizes`` (pass ``()`` to leave gamma at 0).
     Each size is summarised by ``statistic`` (see :func:`alpha_beta_from_points`), and
@@ -397,7 +397,7 @@ def plot_cost_model(
               if t.world_size == world_size and t.case.collective is collective]
     if not chosen:
         raise ValueError(f"no {collective.value} timings at world size {world_size} to plot; "
-                         f"measure some with labs.bench.measure_collectives first.")
+                         f"measure some with labs.timing.measure_collectives first.")
     sizes = sorted({t.case.size_bytes for t in chosen})
     algorithms = [a for a in collective.algorithms() if any(t.case.algorithm is a for t in chosen)]
     cross = None

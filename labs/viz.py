@@ -18,9 +18,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from labs.bench import CollectiveTiming, format_size
 from labs.collectives import Phase, RingStep, shard_bounds
 from labs.experiments import AgreementRow, TrafficRow
+from labs.timing import CollectiveTiming, format_size
 from labs.toy_allreduce import ToyRankRecord
 
 

@@ -10,7 +10,7 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from labs.bench import SweepSettings, format_size, run_sweep, sweep_tables
+from labs.bench_collectives import SweepSettings, run_sweep, sweep_tables
 from labs.collectives import Algorithm, Collective
 from labs.ddp_experiments import (
     StepSettings,
@@ -20,6 +20,7 @@ from labs.ddp_experiments import (
     measure_timelines,
 )
 from labs.launch import launch
+from labs.timing import format_size
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
 from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
@@ -126,9 +127,9 @@ def collective_panel(
     algorithms: Sequence[Algorithm] | None = None, iters: int = 5,
 ) -> None:
     """World size, message size and algorithms for ``collective``, and a run button that times
-    them on real ranks (:func:`labs.bench.run_sweep`). The default run is shown at once, as
-    ordinary output (so a rendered page shows it); each click shows its own run in the panel.
-    A collective needs two ranks, so the world size starts at 2."""
+    them on real ranks (:func:`labs.bench_collectives.run_sweep`). The default run is shown at
+    once, as ordinary output (so a rendered page shows it); each click shows its own run in
+    the panel. A collective needs two ranks, so the world size starts at 2."""
     default = panel_settings(collective, world_size, size_bytes, algorithms, iters)
     options = [(format_size(s), s) for s in sorted({*PANEL_SIZES, size_bytes})]
     size = w.IntSlider(value=world_size, min=2, max=8, description="world size")

@@ -1,6 +1,6 @@
-"""labs.bench: the collectives timing worker on real ranks, its correctness verdict, and the
-``python -m labs.bench collectives`` command line (flags refused before any process starts,
-tiny sweeps that write CSV, JSON and a PNG)."""
+"""labs.timing and labs.bench_collectives: the collectives timing worker on real ranks, its
+correctness verdict, and the ``python -m labs.bench collectives`` command line (flags refused
+before any process starts, tiny sweeps that write CSV, JSON and a PNG)."""
 
 from __future__ import annotations
 
@@ -16,27 +16,25 @@ import pytest
 import torch
 
 from labs import __main__ as labs_cli
-from labs import bench
-from labs.bench import (
-    DEFAULT_OUT,
-    CollectiveCase,
-    CollectiveTiming,
-    Statistic,
-    SweepSettings,
-    format_size,
-    measure_collectives,
-    parse_size,
-    read_timings,
-    results_match,
-    seeded_input,
-    timing_from_record,
-)
+from labs import bench, bench_collectives, timing
+from labs.bench_collectives import DEFAULT_OUT, SweepSettings, read_timings
 from labs.collectives import (
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_WINDOW,
     Algorithm,
     Collective,
     shard_bounds,
+)
+from labs.timing import (
+    CollectiveCase,
+    CollectiveTiming,
+    Statistic,
+    format_size,
+    measure_collectives,
+    parse_size,
+    results_match,
+    seeded_input,
+    timing_from_record,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -96,18 +94,18 @@ def test_the_oracle_catches_typical_wrong_collectives():
     instead of a sum) give a different tensor."""
     world_size, numel = 3, 10
     case = CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, numel * 4)
-    inputs = bench._Inputs.build([case], 0, world_size, torch.device("cpu"))
+    inputs = timing._Inputs.build([case], 0, world_size, torch.device("cpu"))
     contributions = [seeded_input(numel, r, torch.float32) for r in range(world_size)]
     total = contributions[0] + contributions[1] + contributions[2]
-    assert results_match(total, bench._expected(case, inputs, 0))
-    assert not results_match(contributions[0] + contributions[1], bench._expected(case, inputs, 0))
-    assert not results_match(total / world_size, bench._expected(case, inputs, 0))
+    assert results_match(total, timing._expected(case, inputs, 0))
+    assert not results_match(contributions[0] + contributions[1], timing._expected(case, inputs, 0))
+    assert not results_match(total / world_size, timing._expected(case, inputs, 0))
     assert torch.all(contributions[0] == contributions[0].round())  # integers: exact sums
     scatter = CollectiveCase(Collective.REDUCE_SCATTER, Algorithm.RING, numel * 4)
-    inputs = bench._Inputs.build([scatter], 1, world_size, torch.device("cpu"))
+    inputs = timing._Inputs.build([scatter], 1, world_size, torch.device("cpu"))
     bounds = shard_bounds(numel, world_size)
-    assert results_match(total[bounds[1]:bounds[2]], bench._expected(scatter, inputs, 1))
-    assert not results_match(total[bounds[0]:bounds[1]], bench._expected(scatter, inputs, 1))
+    assert results_match(total[bounds[1]:bounds[2]], timing._expected(scatter, inputs, 1))
+    assert not results_match(total[bounds[0]:bounds[1]], timing._expected(scatter, inputs, 1))
 
 
 # --- cases, settings and records ------------------------------------------------------------------
@@ -175,10 +173,10 @@ def test_records_round_trip():
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Any launch from labs.bench fails the test: bad flags must be refused before."""
+    """Any launch of a sweep fails the test: bad flags must be refused before."""
     def refuse(*args, **kwargs):
         raise AssertionError("a launch started although the flags were bad")
-    monkeypatch.setattr(bench, "launch", refuse)
+    monkeypatch.setattr(timing, "launch", refuse)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -297,43 +295,43 @@ def test_cli_default_output_path():
 def test_launches_must_be_a_positive_int() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="--launches"):
-            bench.SweepSettings(launches=bad)
+            bench_collectives.SweepSettings(launches=bad)
 
 
 def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:
-    case = bench.CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 1 << 10)
-    first = bench.CollectiveTiming(case, 2, "gloo", 2.0, (1.0, 2.0, 3.0), True)
-    second = bench.CollectiveTiming(case, 2, "gloo", 20.0, (10.0, 20.0, 30.0), False)
-    pooled = bench._pool([first, second])
+    case = CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 1 << 10)
+    first = CollectiveTiming(case, 2, "gloo", 2.0, (1.0, 2.0, 3.0), True)
+    second = CollectiveTiming(case, 2, "gloo", 20.0, (10.0, 20.0, 30.0), False)
+    pooled = bench_collectives._pool([first, second])
     assert pooled.all_seconds == (1.0, 2.0, 3.0, 10.0, 20.0, 30.0)
     assert pooled.seconds == 6.5  # the median of all six, not of the two medians
     assert not pooled.correct
-    assert bench._pool([first, first]).correct
+    assert bench_collectives._pool([first, first]).correct
     assert pooled.launches == 2 and pooled.launch_medians() == [2.0, 20.0]
 
 
 def test_ratio_table_shows_each_launch_range() -> None:
     """One launch had the ring twice as fast as torch, the other half as fast: the table must
     show that spread beside the pooled ratio (2.0 / median(1, 1, 1, 4, 4, 4) = 0.80)."""
-    def timing(algorithm: Algorithm, per_launch: list[tuple[float, ...]]) -> bench.CollectiveTiming:
-        case = bench.CollectiveCase(Collective.ALL_REDUCE, algorithm, 1 << 20)
-        runs = [bench.CollectiveTiming(case, 2, "gloo", statistics.median(t), t, True)
+    def pooled(algorithm: Algorithm, per_launch: list[tuple[float, ...]]) -> CollectiveTiming:
+        case = CollectiveCase(Collective.ALL_REDUCE, algorithm, 1 << 20)
+        runs = [CollectiveTiming(case, 2, "gloo", statistics.median(t), t, True)
                 for t in per_launch]
-        return bench._pool(runs)
+        return bench_collectives._pool(runs)
 
-    ring = timing(Algorithm.RING, [(1.0, 1.0, 1.0), (4.0, 4.0, 4.0)])
-    torch_ = timing(Algorithm.TORCH, [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)])
-    assert bench.launch_ratios(ring, [ring, torch_]) == [2.0, 0.5]
-    table = bench.ring_vs_torch_table([ring, torch_])
+    ring = pooled(Algorithm.RING, [(1.0, 1.0, 1.0), (4.0, 4.0, 4.0)])
+    torch_ = pooled(Algorithm.TORCH, [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)])
+    assert bench_collectives.launch_ratios(ring, [ring, torch_]) == [2.0, 0.5]
+    table = bench_collectives.ring_vs_torch_table([ring, torch_])
     assert "0.80 (0.50-2.00)" in table.splitlines()[-1]
-    assert "lowest and highest" in bench.sweep_tables([ring, torch_])
+    assert "lowest and highest" in bench_collectives.sweep_tables([ring, torch_])
     # one launch: a plain ratio, no bracket
-    single = [bench.CollectiveTiming(ring.case, 2, "gloo", 1.0, (1.0,), True),
-              bench.CollectiveTiming(torch_.case, 2, "gloo", 2.0, (2.0,), True)]
-    assert bench.launch_ratios(single[0], single) is None
-    assert bench.ring_vs_torch_table(single).splitlines()[-1].split()[-1] == "2.00"
+    single = [CollectiveTiming(ring.case, 2, "gloo", 1.0, (1.0,), True),
+              CollectiveTiming(torch_.case, 2, "gloo", 2.0, (2.0,), True)]
+    assert bench_collectives.launch_ratios(single[0], single) is None
+    assert bench_collectives.ring_vs_torch_table(single).splitlines()[-1].split()[-1] == "2.00"
     # the launch count survives a CSV round trip
-    assert bench.timing_from_record(ring.as_record()).launches == 2
+    assert timing_from_record(ring.as_record()).launches == 2
 
 
 def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):

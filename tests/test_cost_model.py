@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from labs import launch
-from labs.bench import CollectiveCase, CollectiveTiming, PointTiming, Statistic
 from labs.collectives import Algorithm, Collective, Recorder
 from labs.cost_model import (
     AlphaBeta,
@@ -26,6 +25,7 @@ from labs.cost_model import (
     plot_cost_model,
     predict,
 )
+from labs.timing import CollectiveCase, CollectiveTiming, PointTiming, Statistic
 
 # The rank function below travels by value (the ranks need not import pytest).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -33,10 +33,7 @@ import torch.distributed as dist
 from IPython.display import Code, display
 
 from labs import launch
-from labs.bench import (
-    CollectiveCase, Statistic, SweepSettings, format_size, measure_collectives, plot_busbw,
-    run_sweep, sweep_tables,
-)
+from labs.bench_collectives import SweepSettings, plot_busbw, run_sweep, sweep_tables
 from labs.checks import check_ring_all_reduce
 from labs.collectives import (
     Algorithm, Collective, Recorder, all_reduce, naive_all_reduce,
@@ -49,6 +46,7 @@ from labs.experiments import (
     AgreementSettings, TraceSettings, compare_algorithms, expected_traffic, measure_traffic,
     run_ring_trace,
 )
+from labs.timing import CollectiveCase, Statistic, format_size, measure_collectives
 from labs.viz import (
     agreement_table, format_table, plot_traffic, ring_animation, ring_steps_figure,
     ring_trace_table, traffic_table,

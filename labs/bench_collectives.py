@@ -1,0 +1,559 @@
+"""``python -m labs.bench collectives``: an nccl-tests style sweep of the collectives of
+:mod:`labs.collectives` against torch's built-in ones.
+
+One launch per backend and world size runs every case of that world size, so starting
+processes is never part of a timing. For each case it reports the median over iterations of
+the slowest rank's time per call, the algorithm bandwidth ``algbw = S / time`` and the bus
+bandwidth ``busbw = algbw x bus factor`` (2(N-1)/N for all-reduce, (N-1)/N for reduce-scatter
+and all-gather: the bytes each rank must move over its link per byte of S, so busbw can be
+compared with a link's speed whatever N is). Every call's result is compared with the exact
+answer, torch's built-in included. The timing itself is :mod:`labs.timing`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from labs.collectives import (
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_WINDOW,
+    Algorithm,
+    Collective,
+)
+from labs.launch import MAX_WORLD_SIZE, Backend
+from labs.timing import (
+    DTYPES,
+    CollectiveCase,
+    CollectiveTiming,
+    check_cases,
+    dtype_name,
+    format_size,
+    measure_collectives,
+    parse_dtype,
+    parse_size,
+    timing_from_record,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: Default sizes of ``python -m labs.bench collectives`` (about two minutes on 2 cores).
+DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24)
+#: Default output of ``python -m labs.bench collectives``.
+DEFAULT_OUT = Path("_build/bench/collectives.csv")
+
+
+def algorithm_from_name(name: str) -> Algorithm:
+    """``"ring"``, ``"recursive-doubling"`` or ``"recursive doubling"``, ... -> Algorithm."""
+    for algorithm in Algorithm:
+        if name in (algorithm.value, algorithm.value.replace(" ", "-"), algorithm.name.lower()):
+            return algorithm
+    raise ValueError(f"unknown algorithm {name!r}; choose from "
+                     f"{[a.value.replace(' ', '-') for a in Algorithm]}.")
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """The settings of one ``python -m labs.bench collectives`` sweep (the CLI parses into it,
+    a notebook can build one and call :func:`run_sweep`).
+
+    ``algorithms=None`` means every algorithm each collective supports; otherwise each
+    collective runs the listed algorithms it supports. ``segment_bytes`` lists the pipeline
+    segments to sweep for the ring (``None`` = lock-step ring).
+    """
+
+    collectives: tuple[Collective, ...] = tuple(Collective)
+    algorithms: tuple[Algorithm, ...] | None = None
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    world_sizes: tuple[int, ...] = (2, 4)
+    backends: tuple[Backend, ...] = (Backend.GLOO,)
+    iters: int = 5
+    warmup: int = 1
+    dtype: torch.dtype = torch.float32
+    segment_bytes: tuple[int | None, ...] = (DEFAULT_SEGMENT_BYTES,)
+    window: int = DEFAULT_WINDOW
+    timeout_s: float = 600.0
+    #: Launches per backend and world size, their iterations pooled: on a small machine the
+    #: way the ranks happen to share the cores changes from launch to launch, and moves the
+    #: timings of a whole launch together.
+    launches: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.collectives or not all(isinstance(c, Collective) for c in self.collectives):
+            raise ValueError("--collectives: give one or more of "
+                             f"{[c.value for c in Collective]}.")
+        if self.algorithms is not None:
+            if not self.algorithms or not all(isinstance(a, Algorithm) for a in self.algorithms):
+                raise ValueError("--algorithms: give one or more of "
+                                 f"{[a.value.replace(' ', '-') for a in Algorithm]}.")
+            for collective in self.collectives:
+                if not self.algorithms_of(collective):
+                    supported = [a.value.replace(" ", "-") for a in collective.algorithms()]
+                    raise ValueError(f"--algorithms: none of them implements "
+                                     f"{collective.value} (that takes {supported}); add one or "
+                                     "drop the collective from --collectives.")
+            unused = [a for a in self.algorithms
+                      if not any(a in c.algorithms() for c in self.collectives)]
+            if unused:
+                raise ValueError(f"--algorithms: {unused[0].value!r} implements none of "
+                                 f"{[c.value for c in self.collectives]} (it is an all-reduce "
+                                 "algorithm); drop it or add all-reduce to --collectives.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {[dtype_name(d) for d in DTYPES]}.")
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if not self.sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < item
+                                 or s % item for s in self.sizes):
+            raise ValueError(f"--sizes: each size must be a positive multiple of {item} B "
+                             f"(one {dtype_name(self.dtype)} element), got "
+                             f"{[format_size(s) if isinstance(s, int) else s for s in self.sizes]}"
+                             ".")
+        if not self.world_sizes or any(isinstance(n, bool) or not isinstance(n, int)
+                                       or not 2 <= n <= MAX_WORLD_SIZE
+                                       for n in self.world_sizes):
+            raise ValueError(f"--world-sizes: each must be between 2 and {MAX_WORLD_SIZE} "
+                             f"(a collective needs two ranks), got {list(self.world_sizes)}.")
+        if not self.backends or not all(isinstance(b, Backend) for b in self.backends):
+            raise ValueError(f"--backends: give one or more of {[b.value for b in Backend]}.")
+        try:
+            check_cases([CollectiveCase(Collective.ALL_REDUCE, Algorithm.TORCH, 4)],
+                         self.iters, self.warmup)
+        except ValueError as err:
+            raise ValueError(f"--{str(err).split()[0]}: {err}") from None
+        for segment in self.segment_bytes:
+            if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int)
+                                        or segment < item):
+                raise ValueError(f"--segment-bytes: each must be 'none' (lock-step ring) or at "
+                                 f"least one element ({item} B), got {segment!r}.")
+        if not self.segment_bytes:
+            raise ValueError("--segment-bytes: give at least one segment size.")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"--window must be a positive int, got {self.window!r}.")
+        if isinstance(self.launches, bool) or not isinstance(self.launches, int) \
+                or self.launches < 1:
+            raise ValueError(f"--launches must be an int >= 1, got {self.launches!r}.")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
+                and self.timeout_s > 0):
+            raise ValueError(f"--timeout must be a positive number of seconds, got "
+                             f"{self.timeout_s!r}.")
+
+    def algorithms_of(self, collective: Collective) -> tuple[Algorithm, ...]:
+        """The algorithms this sweep runs for ``collective``."""
+        supported = collective.algorithms()
+        if self.algorithms is None:
+            return supported
+        return tuple(a for a in self.algorithms if a in supported)
+
+    def cases(self) -> list[CollectiveCase]:
+        """Every case of the sweep, for one world size (sizes outermost)."""
+        cases = []
+        for size in self.sizes:
+            for collective in self.collectives:
+                for algorithm in self.algorithms_of(collective):
+                    if algorithm is Algorithm.RING:
+                        cases += [CollectiveCase(collective, algorithm, size, self.dtype, seg,
+                                                 self.window) for seg in self.segment_bytes]
+                    else:
+                        cases.append(CollectiveCase(collective, algorithm, size, self.dtype))
+        return cases
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def runnable(settings: SweepSettings) -> tuple[list[tuple[Backend, int]], list[str]]:
+    """The (backend, world size) launches this machine can run, and why others are skipped."""
+    plan, skipped = [], []
+    for backend in settings.backends:
+        for world_size in settings.world_sizes:
+            if backend is Backend.NCCL:
+                if not dist.is_nccl_available() or _gpus() == 0:
+                    skipped.append("skipping nccl: no CUDA GPU (or no NCCL in this torch "
+                                   "build); run the sweep with --backends gloo here.")
+                    break
+                if _gpus() < world_size:
+                    skipped.append(f"skipping nccl at world size {world_size}: it needs one "
+                                   f"GPU per rank and {_gpus()} are visible.")
+                    continue
+            plan.append((backend, world_size))
+    return plan, skipped
+
+
+def run_sweep(
+    settings: SweepSettings, *, progress: Callable[[int], None] | None = None,
+) -> list[CollectiveTiming]:
+    """Run every case of ``settings`` (one launch per backend and world size); ``progress`` is
+    called with the number of cases each launch finished."""
+    plan, _ = runnable(settings)
+    cases = settings.cases()
+    timings: list[CollectiveTiming] = []
+    for backend, world_size in plan:
+        runs = []
+        for _ in range(settings.launches):
+            runs.append(measure_collectives(cases, world_size, iters=settings.iters,
+                                            warmup=settings.warmup, backend=backend.value,
+                                            timeout=settings.timeout_s))
+            if progress is not None:
+                progress(len(cases))
+        timings += [_pool(same) for same in zip(*runs, strict=True)]
+    return timings
+
+
+def _pool(runs: Sequence[CollectiveTiming]) -> CollectiveTiming:
+    """One timing from the same case measured in several launches: every iteration kept."""
+    times = tuple(t for run in runs for t in run.all_seconds)
+    first = runs[0]
+    return CollectiveTiming(first.case, first.world_size, first.backend,
+                            statistics.median(times), times, all(r.correct for r in runs),
+                            sum(r.launches for r in runs))
+
+
+def _torch_of(timing: CollectiveTiming,
+              timings: Sequence[CollectiveTiming]) -> CollectiveTiming | None:
+    for other in timings:
+        if (other.case.algorithm is Algorithm.TORCH and other.backend == timing.backend
+                and other.world_size == timing.world_size
+                and other.case.collective is timing.case.collective
+                and other.case.size_bytes == timing.case.size_bytes
+                and other.case.dtype == timing.case.dtype):
+            return other
+    return None
+
+
+def ratio_to_torch(timing: CollectiveTiming, timings: Sequence[CollectiveTiming]) -> float | None:
+    """busbw of ``timing`` / busbw of torch's built-in at the same backend, N, collective and
+    size (> 1: faster than torch); None when torch was not measured there."""
+    reference = _torch_of(timing, timings)
+    if reference is None or timing.case.algorithm is Algorithm.TORCH:
+        return None
+    return reference.seconds / timing.seconds
+
+
+def launch_ratios(timing: CollectiveTiming,
+                  timings: Sequence[CollectiveTiming]) -> list[float] | None:
+    """:func:`ratio_to_torch` launch by launch (each launch's median against the same launch's
+    median of torch's built-in): how far one launch can move the ratio. None where there is no
+    ratio or only one launch."""
+    reference = _torch_of(timing, timings)
+    if (reference is None or timing.case.algorithm is Algorithm.TORCH or timing.launches < 2
+            or reference.launches != timing.launches):
+        return None
+    return [ref / mine for ref, mine in zip(reference.launch_medians(), timing.launch_medians(),
+                                            strict=True)]
+
+
+def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:
+    if ratio is None:
+        return "-"
+    if not spread:
+        return f"{ratio:.2f}"
+    return f"{ratio:.2f} ({min(spread):.2f}-{max(spread):.2f})"
+
+
+def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
+    """One table per backend and world size, then the all-reduce "ring vs torch" summary."""
+    from labs.viz import format_table
+
+    header = ["collective", "algorithm", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
+              "correct", "busbw / torch"]
+    blocks = []
+    for backend, world_size in dict.fromkeys((t.backend, t.world_size) for t in timings):
+        rows = []
+        chosen = [t for t in timings if (t.backend, t.world_size) == (backend, world_size)]
+        order = {c: i for i, c in enumerate(Collective)}
+        for t in sorted(chosen, key=lambda t: (order[t.case.collective], t.case.size_bytes)):
+            rows.append([t.case.collective.value, t.case.label, format_size(t.case.size_bytes),
+                         f"{t.seconds * 1e6:.1f}", f"{t.algbw_gbps:.3g}",
+                         f"{t.busbw_gbps:.3g}", str(t.correct),
+                         _ratio_cell(ratio_to_torch(t, timings))])
+        dtype = dtype_name(chosen[0].case.dtype)
+        blocks.append(f"{backend}, world size {world_size}, {dtype} (median of "
+                      f"{len(chosen[0].all_seconds)} iterations, slowest rank per call):\n"
+                      + format_table(header, rows))
+    summary = ring_vs_torch_table(timings)
+    if summary:
+        spread = any(t.launches > 1 for t in timings)
+        blocks.append("all-reduce, ring busbw / torch busbw (> 1: the ring is faster"
+                      + ("; in brackets the lowest and highest ratio of one launch" if spread
+                         else "") + "):\n" + summary)
+    return "\n\n".join(blocks)
+
+
+def ring_vs_torch_table(timings: Sequence[CollectiveTiming]) -> str:
+    """All-reduce: backend, world size and ring variant (rows) x size (columns) -> busbw ratio
+    of the ring to torch's built-in, and, after several launches, the lowest and highest
+    ratio of a single launch in brackets. Empty when the sweep had no ring or no torch."""
+    from labs.viz import format_table
+
+    rings = [t for t in timings if t.case.collective is Collective.ALL_REDUCE
+             and t.case.algorithm is Algorithm.RING and _torch_of(t, timings) is not None]
+    if not rings:
+        return ""
+    sizes = sorted({t.case.size_bytes for t in rings})
+    rows = []
+    for key in dict.fromkeys((t.backend, t.world_size, t.case.label) for t in rings):
+        cells = {t.case.size_bytes: _ratio_cell(ratio_to_torch(t, timings),
+                                                launch_ratios(t, timings))
+                 for t in rings if (t.backend, t.world_size, t.case.label) == key}
+        rows.append([*key, *(cells.get(s, "-") for s in sizes)])
+    return format_table(["backend", "world size", "algorithm",
+                         *(format_size(s) for s in sizes)], rows)
+
+
+def plot_busbw(timings: Sequence[CollectiveTiming]) -> Figure:
+    """Bus bandwidth against size (log x), one line per algorithm (and backend), one panel per
+    world size (rows) and collective (columns); an algorithm keeps its colour in every panel.
+    A red cross marks an incorrect result."""
+    import matplotlib.pyplot as plt
+
+    world_sizes = sorted({t.world_size for t in timings})
+    collectives = [c for c in Collective if any(t.case.collective is c for t in timings)]
+    backends = sorted({t.backend for t in timings})
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = list(dict.fromkeys(t.case.label for t in sorted(
+        timings, key=lambda t: list(Algorithm).index(t.case.algorithm))))
+    colour = {label: palette[i % len(palette)] for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(len(world_sizes), len(collectives), squeeze=False,
+                             figsize=(4.2 * len(collectives), 3.2 * len(world_sizes)),
+                             layout="constrained")
+    for row, world_size in enumerate(world_sizes):
+        for col, collective in enumerate(collectives):
+            ax = axes[row][col]
+            chosen = [t for t in timings
+                      if t.world_size == world_size and t.case.collective is collective]
+            for backend in backends:
+                for label in dict.fromkeys(t.case.label for t in chosen if t.backend == backend):
+                    line = sorted((t for t in chosen
+                                   if t.backend == backend and t.case.label == label),
+                                  key=lambda t: t.case.size_bytes)
+                    name = label if len(backends) == 1 else f"{label} ({backend})"
+                    ax.plot([t.case.size_bytes for t in line], [t.busbw_gbps for t in line],
+                            "o-" if backend == backends[0] else "s--", label=name,
+                            color=colour[label])
+                    bad = [t for t in line if not t.correct]
+                    ax.plot([t.case.size_bytes for t in bad], [t.busbw_gbps for t in bad], "x",
+                            color="red", ms=12, mew=2)
+            ax.set_xscale("log", base=2)
+            sizes = sorted({t.case.size_bytes for t in chosen})
+            ax.set_xticks(sizes, [format_size(s) for s in sizes])
+            ax.set(xlabel="size S", ylabel="busbw (GB/s)",
+                   title=f"{collective.value}, N = {world_size}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+    return fig
+
+
+def write_timings(timings: Sequence[CollectiveTiming], path: Path,
+                  settings: SweepSettings | None = None) -> None:
+    """``.csv`` (one row per timing, ``all_seconds`` space-separated) or ``.json`` (the rows,
+    the settings and the machine) by the path's suffix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [t.as_record() for t in timings]
+    if path.suffix == ".json":
+        meta = {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count(), "torch": torch.__version__,
+                "python": platform.python_version(), "machine": platform.machine()}
+        document = {"machine": meta, "timings": records}
+        if settings is not None:
+            document["settings"] = _settings_record(settings)
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else ["backend"])
+        writer.writeheader()
+        for record in records:
+            writer.writerow({**record, "all_seconds": " ".join(map(repr, record["all_seconds"]))})
+
+
+def read_timings(path: Path) -> list[CollectiveTiming]:
+    """The timings :func:`write_timings` wrote (CSV or JSON)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return [timing_from_record(r) for r in json.loads(path.read_text())["timings"]]
+    with path.open(newline="") as handle:
+        return [timing_from_record(r) for r in csv.DictReader(handle)]
+
+
+def _settings_record(settings: SweepSettings) -> dict[str, Any]:
+    return {
+        "collectives": [c.value for c in settings.collectives],
+        "algorithms": None if settings.algorithms is None else
+        [a.value for a in settings.algorithms],
+        "sizes": list(settings.sizes), "world_sizes": list(settings.world_sizes),
+        "backends": [b.value for b in settings.backends], "iters": settings.iters,
+        "launches": settings.launches,
+        "warmup": settings.warmup, "dtype": dtype_name(settings.dtype),
+        "segment_bytes": list(settings.segment_bytes), "window": settings.window,
+    }
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    out: Path
+    plot: Path
+
+
+def _outputs(out: str, plot: str | None) -> _Outputs:
+    out_path = Path(out)
+    if out_path.suffix not in (".csv", ".json"):
+        raise ValueError(f"--out must end in .csv or .json, got {out!r}.")
+    plot_path = out_path.with_suffix(".png") if plot is None else Path(plot)
+    if plot_path.suffix != ".png":
+        raise ValueError(f"--plot must end in .png, got {plot!r}.")
+    for path, flag in ((out_path, "--out"), (plot_path, "--plot")):
+        parent = next((p for p in path.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"{flag}: cannot create {path} (no writable folder above it).")
+    return _Outputs(out_path, plot_path)
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _segment_arg(text: str) -> int | None:
+    return None if text.lower() in ("none", "lockstep", "lock-step") else _size_arg(text)
+
+
+def _algorithm_arg(text: str) -> Algorithm:
+    try:
+        return algorithm_from_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _collective_arg(text: str) -> Collective:
+    try:
+        return Collective(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown collective {text!r}; choose from {[c.value for c in Collective]}."
+        ) from None
+
+
+def _backend_arg(text: str) -> Backend:
+    try:
+        return Backend(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {text!r}; choose from {[b.value for b in Backend]}."
+        ) from None
+
+
+def _dtype_arg(text: str) -> torch.dtype:
+    try:
+        return parse_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose what is measured: shared by ``python -m labs.bench collectives``
+    (which launches ranks itself) and ``python -m labs collectives`` (which also runs under
+    torchrun); :func:`settings_from_args` reads them back."""
+    parser.add_argument("--collectives", nargs="+", type=_collective_arg,
+                        default=list(Collective), metavar="NAME",
+                        help=f"any of {[c.value for c in Collective]} (default: all)")
+    parser.add_argument("--algorithms", nargs="+", type=_algorithm_arg, default=None,
+                        metavar="NAME",
+                        help=f"any of {[a.value.replace(' ', '-') for a in Algorithm]} "
+                             "(default: every one the collective supports)")
+    parser.add_argument("--sizes", nargs="+", type=_size_arg, default=list(DEFAULT_SIZES),
+                        metavar="SIZE", help="bytes, binary units: 1K 64K 1M 16M "
+                        f"(default: {' '.join(format_size(s) for s in DEFAULT_SIZES)})")
+    parser.add_argument("--iters", type=int, default=5, help="timed calls per case")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per case first")
+    parser.add_argument("--dtype", type=_dtype_arg, default=torch.float32,
+                        help=f"one of {[dtype_name(d) for d in DTYPES]}")
+    parser.add_argument("--segment-bytes", nargs="+", type=_segment_arg,
+                        default=[DEFAULT_SEGMENT_BYTES], metavar="SIZE",
+                        help="pipeline segment(s) of the ring, or 'none' for the lock-step "
+                             f"ring (default: {format_size(DEFAULT_SEGMENT_BYTES)})")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                        help="segments the ring receives ahead")
+
+
+def settings_from_args(opts: argparse.Namespace, **more: Any) -> SweepSettings:
+    """The :class:`SweepSettings` of the flags :func:`add_case_arguments` added (repeated
+    values dropped), with ``more`` for the rest; raises ValueError on a bad combination."""
+    return SweepSettings(
+        collectives=tuple(dict.fromkeys(opts.collectives)),
+        algorithms=None if opts.algorithms is None else tuple(dict.fromkeys(opts.algorithms)),
+        sizes=tuple(dict.fromkeys(opts.sizes)), iters=opts.iters, warmup=opts.warmup,
+        dtype=opts.dtype, segment_bytes=tuple(dict.fromkeys(opts.segment_bytes)),
+        window=opts.window, **more,
+    )
+
+
+def add_collectives_parser(sub: Any) -> None:
+    col = sub.add_parser("collectives", help="nccl-tests style sweep of the collectives")
+    add_case_arguments(col)
+    col.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4], metavar="N")
+    col.add_argument("--backends", nargs="+", type=_backend_arg, default=[Backend.GLOO],
+                     metavar="NAME", help="gloo and/or nccl (nccl is skipped without CUDA)")
+    col.add_argument("--launches", type=int, default=1,
+                     help="launches per backend and world size, iterations pooled (default 1)")
+    col.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds per launch (one per backend and world size)")
+    col.add_argument("--out", default=str(DEFAULT_OUT), help="results, .csv or .json")
+    col.add_argument("--plot", default=None,
+                     help="busbw figure, .png (default: next to --out)")
+
+
+def collectives_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from tqdm import tqdm
+
+    try:
+        settings = settings_from_args(
+            opts, world_sizes=tuple(dict.fromkeys(opts.world_sizes)),
+            backends=tuple(dict.fromkeys(opts.backends)), timeout_s=opts.timeout,
+            launches=opts.launches,
+        )
+        outputs = _outputs(opts.out, opts.plot)
+    except ValueError as err:
+        parser.error(str(err))
+    plan, skipped = runnable(settings)
+    for line in dict.fromkeys(skipped):
+        print(line, file=sys.stderr)
+    if not plan:
+        parser.error("nothing to run on this machine (see above).")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    crowded = [n for b, n in plan if b is Backend.GLOO and cores is not None and n > cores]
+    if crowded:
+        print(f"note: {cores} CPU cores; gloo at world size {', '.join(map(str, crowded))} "
+              "runs more ranks than cores, so ranks also wait for a core.", file=sys.stderr)
+    total = len(plan) * len(settings.cases()) * settings.launches
+    with tqdm(total=total, desc="collectives", unit="case", file=sys.stderr) as bar:
+        timings = run_sweep(settings, progress=bar.update)
+    print(sweep_tables(timings))
+    write_timings(timings, outputs.out, settings)
+    print(f"\nwrote {outputs.out}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = plot_busbw(timings)
+    outputs.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(outputs.plot, dpi=110)
+    print(f"wrote {outputs.plot}")
+    if not all(t.correct for t in timings):
+        wrong = [f"{t.case.collective.value}/{t.case.label}/{format_size(t.case.size_bytes)}"
+                 f"/N={t.world_size}" for t in timings if not t.correct]
+        print(f"INCORRECT results: {', '.join(wrong)}", file=sys.stderr)
+        sys.exit(1)
