@@ -396,6 +396,10 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
     _redirect_output(spec)
     stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - open for the rank's whole life
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # on timeout
+    # A crash in C or C++ (SIGABRT from an uncaught exception, SIGSEGV) has no Python
+    # traceback; faulthandler writes the Python stack it happened in to stderr, which the
+    # launcher shows in the RankError.
+    faulthandler.enable(file=sys.stderr, all_threads=False)
     released = threading.Event()
     threading.Thread(target=_watch_launcher, args=(conn, released), daemon=True).start()
     try:
@@ -591,13 +595,31 @@ def _died(r: _Rank) -> RankFailure:
     if code == 1 and getattr(sys.modules.get("__main__"), "__file__", None):
         hint = (" If the script calls launch() at module level, put the call under "
                 "`if __name__ == \"__main__\":` (every rank imports the main script first).")
+    last = _last_words(_read(r.spec.stderr_path))
+    said = f"\nWhat it wrote last (stderr):\n{last}" if last else ""
     return RankFailure(
         rank=r.spec.rank, exc_type="RankDied",
         message=f"the process of rank {r.spec.rank} {how} before returning a result",
-        traceback="(no Python traceback: the process ended without raising; look at its "
-        f"output above, or for os._exit, sys.exit in C code or a crash.{hint})",
+        traceback="(no Python traceback: the process ended without raising; look for os._exit, "
+        f"sys.exit in C code or a crash.{hint}){said}",
         when=time.time(),
     )
+
+
+#: Lines of a dead rank's stderr that its RankError shows.
+_LAST_LINES = 25
+
+
+def _last_words(stderr: str) -> str:
+    """The end of a dead rank's stderr: a C++ library's last message (``terminate called
+    after throwing ...``) and faulthandler's Python stack of the crash, without the frames of
+    the launcher below the worker."""
+    lines = [line for line in stderr.rstrip().splitlines() if line.strip()]
+    # faulthandler lists the innermost frame first: what follows the launcher's own frame
+    # (process start-up, the list of extension modules) is not the learner's.
+    cut = next((i for i, line in enumerate(lines) if "in _rank_main" in line), len(lines))
+    lines = lines[:cut]
+    return "\n".join(f"    {line}" for line in lines[-_LAST_LINES:])
 
 
 def _first_failure(failures: list[RankFailure]) -> RankError:

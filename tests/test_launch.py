@@ -315,21 +315,31 @@ def die_in_one_rank(rank: int, world_size: int, how: str) -> float:
     if rank == 1:
         if how == "exit":
             os._exit(7)
+        if how == "abort":  # as a C++ library does on an uncaught exception
+            os.write(2, b"terminate called after throwing an instance of 'c10::Error'\n")
+            os.abort()
         os.kill(os.getpid(), signal.SIGKILL)
     total = torch.ones(1)
     dist.all_reduce(total)
     return total.item()
 
 
-@pytest.mark.parametrize(("how", "said"), [("exit", "exited (7)"), ("kill", "killed by signal 9")])
+@pytest.mark.parametrize(("how", "said"), [
+    ("exit", "exited (7)"), ("kill", "killed by signal 9"), ("abort", "killed by signal 6"),
+])
 def test_rank_that_dies_without_a_traceback_is_named(how, said):
-    """Promise 5: a rank that ends without raising (os._exit, a signal) is named as RankDied,
-    and its peers stuck in all_reduce are secondary."""
+    """Promise 5: a rank that ends without raising (os._exit, a signal, a crash in C++) is
+    named as RankDied, and its peers stuck in all_reduce are secondary. A crash shows what the
+    rank wrote last and the Python line it crashed on."""
     with pytest.raises(RankError) as info:
         launch(die_in_one_rank, 4, args=(how,), backend="gloo", timeout=30.0, echo=False)
     error = info.value
     assert error.rank == 1 and error.exc_type == "RankDied"
     assert said in str(error)
+    crashed = "in die_in_one_rank" in error.remote_traceback
+    assert crashed == (how == "abort"), error.remote_traceback
+    assert ("terminate called" in error.remote_traceback) == (how == "abort")
+    assert "_rank_main" not in error.remote_traceback  # the launcher's frames are cut
     assert [f.rank for f in error.secondary] == [0, 2, 3]
     assert all(f.peer_lost for f in error.secondary), error.secondary
 
