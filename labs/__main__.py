@@ -46,10 +46,11 @@ from labs.zero_experiments import Strategy, lab_worker
 
 
 def _run(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
-         timeout: float = 60.0) -> list | None:
+         timeout: float = 60.0, threads: int | None = None) -> list | None:
     if under_torchrun():
         return run_torchrun(worker, args, backend=backend)
-    return launch(worker, world_size, args=args, backend=backend, timeout=timeout)
+    return launch(worker, world_size, args=args, backend=backend, timeout=timeout,
+                  threads=threads)
 
 
 def _toy(opts: argparse.Namespace, world_size: int) -> None:
@@ -83,7 +84,7 @@ def _collectives(opts: argparse.Namespace, world_size: int) -> None:
     settings = settings_from_args(opts)
     cases = settings.cases()
     results = _run(time_collectives, world_size, (cases, settings.iters, settings.warmup),
-                   opts.backend, timeout=opts.timeout)
+                   opts.backend, timeout=opts.timeout, threads=settings.threads)
     if results is None:
         return  # under torchrun, rank 0 prints
     timings = results[0]  # every rank returns the same timings (max over ranks per call)

@@ -36,6 +36,7 @@ from labs.collectives import (
 )
 from labs.launch import MAX_WORLD_SIZE, Backend
 from labs.timing import (
+    COMM_THREADS,
     DTYPES,
     CollectiveCase,
     CollectiveTiming,
@@ -91,6 +92,8 @@ class SweepSettings:
     #: way the ranks happen to share the cores changes from launch to launch, and moves the
     #: timings of a whole launch together.
     launches: int = 1
+    #: Intra-op threads per rank (:data:`labs.timing.COMM_THREADS`).
+    threads: int = COMM_THREADS
 
     def __post_init__(self) -> None:
         if not self.collectives or not all(isinstance(c, Collective) for c in self.collectives):
@@ -145,6 +148,9 @@ class SweepSettings:
         if isinstance(self.launches, bool) or not isinstance(self.launches, int) \
                 or self.launches < 1:
             raise ValueError(f"--launches must be an int >= 1, got {self.launches!r}.")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
+                or self.threads < 1:
+            raise ValueError(f"--threads must be an int >= 1, got {self.threads!r}.")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
                 and self.timeout_s > 0):
             raise ValueError(f"--timeout must be a positive number of seconds, got "
@@ -206,7 +212,8 @@ def run_sweep(
         for _ in range(settings.launches):
             runs.append(measure_collectives(cases, world_size, iters=settings.iters,
                                             warmup=settings.warmup, backend=backend.value,
-                                            timeout=settings.timeout_s))
+                                            timeout=settings.timeout_s,
+                                            threads=settings.threads))
             if progress is not None:
                 progress(len(cases))
         timings += [_pool(same) for same in zip(*runs, strict=True)]
@@ -395,7 +402,7 @@ def _settings_record(settings: SweepSettings) -> dict[str, Any]:
         [a.value for a in settings.algorithms],
         "sizes": list(settings.sizes), "world_sizes": list(settings.world_sizes),
         "backends": [b.value for b in settings.backends], "iters": settings.iters,
-        "launches": settings.launches,
+        "launches": settings.launches, "threads": settings.threads,
         "warmup": settings.warmup, "dtype": dtype_name(settings.dtype),
         "segment_bytes": list(settings.segment_bytes), "window": settings.window,
     }
@@ -488,6 +495,9 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
                              f"ring (default: {format_size(DEFAULT_SEGMENT_BYTES)})")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                         help="segments the ring receives ahead")
+    parser.add_argument("--threads", type=int, default=COMM_THREADS,
+                        help="intra-op threads per rank (ignored under torchrun, which sets "
+                             f"OMP_NUM_THREADS itself; default: {COMM_THREADS})")
 
 
 def settings_from_args(opts: argparse.Namespace, **more: Any) -> SweepSettings:
@@ -498,7 +508,7 @@ def settings_from_args(opts: argparse.Namespace, **more: Any) -> SweepSettings:
         algorithms=None if opts.algorithms is None else tuple(dict.fromkeys(opts.algorithms)),
         sizes=tuple(dict.fromkeys(opts.sizes)), iters=opts.iters, warmup=opts.warmup,
         dtype=opts.dtype, segment_bytes=tuple(dict.fromkeys(opts.segment_bytes)),
-        window=opts.window, **more,
+        window=opts.window, threads=opts.threads, **more,
     )
 
 

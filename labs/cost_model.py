@@ -38,6 +38,7 @@ import numpy as np
 from labs.collectives import Algorithm, Collective
 from labs.launch import launch
 from labs.timing import (
+    COMM_THREADS,
     P2PPattern,
     PointTiming,
     Statistic,
@@ -218,7 +219,7 @@ def fit_alpha_beta(
     world_size: int = 2, sizes: Sequence[int] = DEFAULT_P2P_SIZES, iters: int = 20,
     timeout: float = 120.0, *, reduce_sizes: Sequence[int] = DEFAULT_REDUCE_SIZES,
     statistic: Statistic = Statistic.MIN, pattern: P2PPattern = P2PPattern.EXCHANGE,
-    backend: str = "auto",
+    backend: str = "auto", threads: int = COMM_THREADS,
 ) -> AlphaBeta:
     """Measure on ``world_size`` real ranks and fit the model (one launch).
 
@@ -228,6 +229,8 @@ def fit_alpha_beta(
     rank times ``torch.add`` on each of ``reduce_sizes`` (pass ``()`` to leave gamma at 0).
     Each size is summarised by ``statistic`` (see :func:`alpha_beta_from_points`), and
     :func:`fit_line` says how the line is fitted and what its quality numbers mean.
+    ``threads`` is each rank's intra-op threads, as when collectives are timed
+    (:data:`labs.timing.COMM_THREADS`), so that gamma is the additions' cost there.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2 (a message needs two ranks), got "
@@ -244,7 +247,7 @@ def fit_alpha_beta(
         raise ValueError(f"iters must be an int >= 1, got {iters!r}.")
     results = launch(_cost_points, world_size,
                      args=(tuple(sizes), tuple(reduce_sizes), iters, pattern),
-                     backend=backend, timeout=timeout, echo=False)
+                     backend=backend, timeout=timeout, echo=False, threads=threads)
     p2p, adds = results[0]
     return alpha_beta_from_points(p2p, adds, statistic=statistic, pattern=pattern,
                                   world_size=world_size, cores=_cores(),

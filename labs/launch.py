@@ -209,6 +209,7 @@ def launch(
     backend: str = "auto",
     timeout: float = 60.0,
     echo: bool = True,
+    threads: int | None = None,
     start_method: StartMethod = StartMethod.FORKSERVER,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
@@ -226,6 +227,9 @@ def launch(
         timeout: seconds the ranks may run, counted once all of them have started; then
             those still running are killed and LaunchTimeout is raised.
         echo: print what each rank printed, prefixed ``[rank k]``, after the ranks finish.
+        threads: each rank's intra-op threads (``torch.set_num_threads``, OMP_NUM_THREADS).
+            Default: the machine's cores divided by ``world_size``, at least 1, so that N ranks
+            computing at once do not oversubscribe the cores.
         start_method: how rank processes are created; keep the default.
 
     Raises:
@@ -236,6 +240,10 @@ def launch(
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(_MAIN_GUARD)
     chosen = _check_inputs(fn, world_size, args, backend, timeout)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"threads must be a positive int (or None for cores / world_size), "
+                         f"got {threads!r}.")
     payload = _serialise(fn, args)
     started = time.monotonic()
     ctx = mp.get_context(start_method.value)
@@ -245,7 +253,7 @@ def launch(
         specs = [
             _RankSpec(
                 rank=rank, world_size=world_size, backend=chosen,
-                threads=_threads_per_rank(world_size), timeout_s=timeout,
+                threads=threads or _threads_per_rank(world_size), timeout_s=timeout,
                 store_path=str(Path(tmp) / "store"),
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),

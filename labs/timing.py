@@ -49,6 +49,12 @@ from labs.launch import launch, rank_device
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: The seed of every input of the sweeps (rank r draws from SEED + r).
 SEED = 1234
+#: Intra-op threads per rank when collectives are timed: one, as torchrun gives each process
+#: by default. gloo's own all-reduce adds in its own thread and never uses them; the ring
+#: adds with torch, and with many threads per rank (the launcher's default is cores / N) its
+#: additions compete with the transfers for the cores: on a 16-core machine that put the
+#: ring clearly behind gloo at 16 and 64 MiB, where with one thread the two were level.
+COMM_THREADS = 1
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -428,18 +434,19 @@ def time_collectives(
 
 def measure_collectives(
     cases: Sequence[CollectiveCase], world_size: int, *, iters: int = 5, warmup: int = 1,
-    backend: str = "auto", timeout: float = 300.0,
+    backend: str = "auto", timeout: float = 300.0, threads: int = COMM_THREADS,
 ) -> list[CollectiveTiming]:
     """Time ``cases`` on ``world_size`` real ranks (one launch); returns rank 0's list.
 
     A notebook's entry point: ``measure_collectives([CollectiveCase(Collective.ALL_REDUCE,
     Algorithm.RING, 1 << 20)], 4)``. Bad input is refused before any process starts.
+    ``threads`` is each rank's intra-op threads (see :data:`COMM_THREADS`).
     """
     found = check_cases(cases, iters, warmup)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
     results = launch(time_collectives, world_size, args=(found, iters, warmup),
-                     backend=backend, timeout=timeout, echo=False)
+                     backend=backend, timeout=timeout, echo=False, threads=threads)
     return list(results[0])
 
 

@@ -20,7 +20,7 @@ from labs.ddp_experiments import (
     measure_timelines,
 )
 from labs.launch import launch
-from labs.timing import format_size
+from labs.timing import COMM_THREADS, format_size
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
 from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
@@ -85,7 +85,8 @@ def sweep_command(settings: SweepSettings) -> str:
             f"--sizes {' '.join(format_size(s) for s in settings.sizes)} "
             f"--world-sizes {' '.join(map(str, settings.world_sizes))} "
             f"--iters {settings.iters} --warmup {settings.warmup}"
-            + (f" --launches {settings.launches}" if settings.launches != 1 else ""))
+            + (f" --launches {settings.launches}" if settings.launches != 1 else "")
+            + (f" --threads {settings.threads}" if settings.threads != COMM_THREADS else ""))
 
 
 def panel_settings(

@@ -194,6 +194,7 @@ def no_launch(monkeypatch):
     (["--dtype", "int8"], "--dtype"),
     (["--segment-bytes", "2"], "--segment-bytes"),
     (["--window", "0"], "--window"),
+    (["--threads", "0"], "--threads"),
     (["--out", "results.txt"], "--out"),
     (["--plot", "figure.svg"], "--plot"),
     (["--timeout", "0"], "--timeout"),
@@ -215,7 +216,7 @@ def test_cli_skips_nccl_without_cuda(no_launch, capsys):
     assert "skipping nccl" in err and "--backends gloo" in err
 
 
-def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys):
+def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep.csv"
     bench.main(["collectives", "--sizes", "1K", "4K", "--world-sizes", "2", "--iters", "2",
                 "--out", str(out)])
@@ -233,10 +234,19 @@ def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     out_json, plot = tmp_path / "sweep.json", tmp_path / "figs" / "busbw.png"
+    real_launch, threads = timing.launch, []
+
+    def launch_and_note_threads(*args, **kwargs):
+        threads.append(kwargs["threads"])
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(timing, "launch", launch_and_note_threads)
     bench.main(["collectives", "--collectives", "all-reduce", "--algorithms", "ring", "torch",
                 "--sizes", "1K", "--world-sizes", "2", "--iters", "2", "--segment-bytes",
-                "none", "256", "--out", str(out_json), "--plot", str(plot)])
+                "none", "256", "--out", str(out_json), "--plot", str(plot), "--threads", "2"])
+    assert threads == [2]  # the ranks were launched with the threads asked for
     document = json.loads(out_json.read_text())
+    assert document["settings"]["threads"] == 2
     labels = [r["label"] for r in document["timings"]]
     assert labels == ["ring (lock-step)", f"ring (segment 256B, window {DEFAULT_WINDOW})",
                       "torch"]
@@ -292,10 +302,11 @@ def test_cli_default_output_path():
     assert DEFAULT_OUT.suffix == ".csv" and DEFAULT_SEGMENT_BYTES > 0
 
 
-def test_launches_must_be_a_positive_int() -> None:
+@pytest.mark.parametrize("field", ["launches", "threads"])
+def test_launches_and_threads_must_be_positive_ints(field) -> None:
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="--launches"):
-            bench_collectives.SweepSettings(launches=bad)
+        with pytest.raises(ValueError, match=f"--{field}"):
+            bench_collectives.SweepSettings(**{field: bad})
 
 
 def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:

@@ -122,6 +122,19 @@ def test_nccl_without_a_gpu_per_process_is_refused(ranks_here, gpus, nccl, messa
         pick_backend("nccl", ranks_here, gpus, nccl, ranks="LOCAL_WORLD_SIZE")
 
 
+def thread_settings(rank: int, world_size: int) -> tuple[int, str]:
+    return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+
+def test_each_rank_gets_its_share_of_the_cores_or_the_threads_asked_for():
+    """Promise 1: by default N ranks share the cores (cores // N threads each, at least one);
+    ``threads`` sets the number instead (the collectives benchmark asks for one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // 2)
+    assert launch(thread_settings, 2, echo=False) == [(share, str(share))] * 2
+    assert launch(thread_settings, 2, threads=3, echo=False) == [(3, "3")] * 2
+
+
 def distinct_pids(rank: int, world_size: int) -> int:
     return os.getpid()
 
@@ -460,6 +473,9 @@ def case_id(value: object) -> str | None:
         ({"timeout": -1.0}, ValueError, "timeout must be a positive number of seconds"),
         ({"timeout": math.nan}, ValueError, "timeout must be a positive number of seconds"),
         ({"timeout": math.inf}, ValueError, "timeout must be finite"),
+        ({"threads": 0}, ValueError, r"threads must be a positive int \(or None"),
+        ({"threads": 1.5}, ValueError, r"threads must be a positive int \(or None"),
+        ({"threads": True}, ValueError, r"threads must be a positive int \(or None"),
         ({"args": 3}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
         ({"args": "abc"}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
         (

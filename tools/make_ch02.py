@@ -468,11 +468,11 @@ What to expect before looking: for CPU tensors gloo's own all-reduce is a ring t
 flight, the addition of one overlapped with the transfer of the next), over the same TCP
 connections that `isend` and `irecv` use here. Same algorithm, same bytes, same transport:
 the two can differ only by what Python adds per message and by how well each overlaps
-sending with adding. Where the transfers take long next to that overhead, as on the small
-machine that executed this page, ratios near 1 are the expected result, not a tie by luck.
-Where they are fast (more cores, more memory bandwidth), Python's share of each step grows
-and gloo's C++ loop can pull ahead: run the benchmark on your machine rather than trust these
-numbers for it.
+sending with adding, so ratios near 1 are the expected result, not a tie by luck. One setting
+matters for that: the ranks of a collectives benchmark run with one intra-op thread each, as
+torchrun gives each process by default. gloo adds in a thread of its own and never uses
+them; the ring adds with torch, and with many threads per rank its additions compete with the
+transfers for the cores (`--threads` sets the number; try it on a machine with many cores).
 """),
     code("""
 bench_settings = SweepSettings(
