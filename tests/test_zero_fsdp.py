@@ -15,7 +15,7 @@ from torch import nn
 
 from labs import RankError
 from labs.collectives import Algorithm, Recorder
-from labs.fsdp import FSDP, ShardedState
+from labs.fsdp import FSDP, Event, ShardedState
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 
 from parity import (
@@ -433,3 +433,26 @@ def eval_worker(rank: int, world_size: int) -> list[ShardedState]:
 
 def test_a_no_grad_forward_leaves_nothing_pending_and_everything_sharded():
     assert launch(eval_worker, 2, echo=False) == [[ShardedState.SHARDED]] * 2
+
+
+def freed_worker(rank: int, world_size: int) -> list[int]:
+    """The bytes still allocated to each unit's full gradient once the step's gradient
+    synchronisation is finished (the observer keeps a reference to every one)."""
+    seen: list[torch.Tensor] = []
+    units: list[FSDP] = []
+
+    def keep(event: Event, name: str) -> None:
+        if event is Event.REDUCE_SCATTER:
+            seen.append(next(u for u in units[0].units if u.name == name).full.grad)
+
+    units.append(FSDP(Deep(), observer=keep))
+    units[0](torch.ones(2, 10)).sum().backward()
+    units[0].finish_gradient_synchronization()
+    return [g.untyped_storage().nbytes() for g in seen]
+
+
+def test_each_full_gradient_is_freed_when_its_reduce_scatter_lands():
+    """gloo's worker thread drops a finished all-to-all's tensors a moment after wait(): FSDP
+    frees the S-sized gradient itself, so no step holds it longer than its reduce-scatter."""
+    for per_unit in launch(freed_worker, 2, echo=False):
+        assert per_unit and per_unit == [0] * len(per_unit)
