@@ -623,9 +623,11 @@ def _last_words(stderr: str) -> str:
     after throwing ...``) and faulthandler's Python stack of the crash, without the frames of
     the launcher below the worker."""
     lines = [line for line in stderr.rstrip().splitlines() if line.strip()]
-    # faulthandler lists the innermost frame first: what follows the launcher's own frame
-    # (process start-up, the list of extension modules) is not the learner's.
-    cut = next((i for i, line in enumerate(lines) if "in _rank_main" in line), len(lines))
+    # faulthandler lists the innermost frame first: in its dump, what follows the launcher's
+    # own frame (process start-up, the list of extension modules) is not the learner's.
+    dump = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")),
+               default=len(lines))
+    cut = next((i for i in range(dump, len(lines)) if "in _rank_main" in lines[i]), len(lines))
     lines = lines[:cut]
     return "\n".join(f"    {line}" for line in lines[-_LAST_LINES:])
 

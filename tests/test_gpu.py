@@ -116,7 +116,9 @@ def fsdp_on_cuda(rank: int, world_size: int) -> tuple[torch.Tensor, str]:
     settings = StepSettings(width=32, layers=3, batch=4, steps=2, warmup=0)
     device = rank_device()
     model = FSDP(mlp(settings, seed=0).to(device))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # SGD, not Adam: Adam moves a parameter by about lr whatever the size of its gradient,
+    # so a near-zero gradient that rounds differently on the GPU would move it the other way.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(4, settings.width, device=device) * (rank + 1)
     for _ in range(2):
         opt.zero_grad()
