@@ -92,16 +92,18 @@ class _Reduction:
     def land(self) -> torch.Tensor:
         """Wait; return this rank's shard of the sum over ranks.
 
-        After the all-to-all (gloo) the full gradient and the N pieces are freed here, not
-        left to reference counting: gloo's worker thread lets go of a finished work's tensors
-        a moment after ``wait()`` returns (a quarter of the time on 2 cores), so without this
-        an S-sized gradient could stay allocated, and measured, into the optimizer step."""
+        The full gradient (and the all-to-all's N pieces) are freed here, not left to
+        reference counting: a backend may hold a finished work's tensors a little longer
+        (gloo's worker thread lets go of them a moment after ``wait()`` returns, a quarter of
+        the time on 2 cores), and an S-sized gradient would stay allocated, and measured,
+        into the optimizer step. On a GPU ``wait()`` has ordered this stream after the
+        collective, so the memory is not reused before the collective has read it."""
         self.work.wait()
+        self.full_grad.untyped_storage().resize_(0)
         if self.pieces == 1:
             return self.received
         summed = self.received.view(self.pieces, -1).sum(0)  # 1-D, shard numel
-        for done in (self.full_grad, self.received):
-            done.untyped_storage().resize_(0)
+        self.received.untyped_storage().resize_(0)
         return summed
 
 
