@@ -159,13 +159,20 @@ class _Peers:
     recorder: Recorder | None
 
     @classmethod
-    def of(cls, group: ProcessGroup | None, recorder: Recorder | None) -> _Peers:
+    def of(cls, group: ProcessGroup | None, recorder: Recorder | None,
+           tensor: torch.Tensor | None = None) -> _Peers:
+        """The peers of ``group``. Pass the ``tensor`` that will be sent when the caller
+        sends it point to point: a backend that cannot carry it is refused here, before any
+        rank starts a send its peers would wait on."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call this inside a function run by "
                 "labs.launch (or under torchrun after init_process_group)."
             )
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
+        peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
+        if tensor is not None and peers.size > 1:
+            _check_p2p_device(tensor, group, peers.rank)
+        return peers
 
     def global_rank(self, group_rank: int) -> int:
         group_rank %= self.size
@@ -203,6 +210,31 @@ class _Peers:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+
+def backend_for_device(backend: str, device_type: str) -> str:
+    """Which backend of ``backend`` (as ``dist.get_backend`` names it) carries tensors of
+    ``device_type``: a group has one backend ("gloo") or one per device type
+    ("cpu:gloo,cuda:nccl"). A device type the string does not name gets the string back."""
+    if ":" not in backend:
+        return backend
+    per_device = dict(part.split(":", 1) for part in backend.split(","))
+    return per_device.get(device_type, backend)
+
+
+def _check_p2p_device(tensor: torch.Tensor, group: ProcessGroup | None, rank: int) -> None:
+    # gloo's own collectives accept CUDA tensors (they stage them through host memory), but
+    # its send/recv hand the tensor's pointer to the socket as if it were host memory: the
+    # kernel refuses a device address ("writev ...: Bad address") and the peer is left
+    # waiting. Measured on one GPU with two gloo ranks; the same call on CPU tensors works.
+    kind = tensor.device.type
+    if kind != "cpu" and backend_for_device(str(dist.get_backend(group)), kind) == "gloo":
+        raise ValueError(
+            f"rank {rank}: these collectives are built on send/recv, and gloo's send/recv "
+            f"cannot carry {tensor.device.type} tensors (tensor on {tensor.device}). Use "
+            "backend='nccl' with one GPU per rank, or keep the tensor on the CPU "
+            "(labs.launch.rank_device() picks the device that matches the backend)."
+        )
 
 
 def _check(tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -246,7 +278,7 @@ def naive_all_reduce(
     sends S and receives S. 2(N-1) messages in all.
     """
     _check(tensor, op)
-    peers = _Peers.of(group, recorder)
+    peers = _Peers.of(group, recorder, tensor)
 
     def body(flat: torch.Tensor) -> None:
         if peers.size == 1 or flat.numel() == 0:
@@ -288,7 +320,7 @@ def whole_tensor_ring_all_reduce(
     "sums", something the real ring cannot do (every chunk is summed once, then copied).
     """
     _check(tensor, op)
-    peers = _Peers.of(group, recorder)
+    peers = _Peers.of(group, recorder, tensor)
 
     def body(flat: torch.Tensor) -> None:
         if peers.size == 1 or flat.numel() == 0:
@@ -509,7 +541,7 @@ def ring_all_reduce(
     :class:`RingBuffers` to repeated calls to keep the scratch buffers between them.
     """
     _check(tensor, op)
-    peers = _Peers.of(group, recorder)
+    peers = _Peers.of(group, recorder, tensor)
 
     def body(flat: torch.Tensor) -> None:
         if peers.size == 1 or flat.numel() == 0:
@@ -536,7 +568,7 @@ def ring_reduce_scatter(
     chunk-sized accumulators (2S/N).
     """
     _check(tensor, op)
-    peers = _Peers.of(group, recorder)
+    peers = _Peers.of(group, recorder, tensor)
     flat = tensor.detach().reshape(-1).contiguous()
     bounds = shard_bounds(flat.numel(), peers.size)
     mine = flat[bounds[peers.rank]:bounds[peers.rank + 1]]
@@ -565,7 +597,7 @@ def ring_all_gather(
     """
     if not isinstance(shard, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(shard).__name__}")
-    peers = _Peers.of(group, recorder)
+    peers = _Peers.of(group, recorder, shard)
     flat_shard = shard.detach().reshape(-1)
     if numel is None:
         numel = flat_shard.numel() * peers.size
@@ -608,7 +640,7 @@ def recursive_doubling_all_reduce(
     That costs two extra message latencies and S more for the paired ranks.
     """
     _check(tensor, op)
-    peers = _Peers.of(group, recorder)
+    peers = _Peers.of(group, recorder, tensor)
 
     def body(flat: torch.Tensor) -> None:
         n, r = peers.size, peers.rank

@@ -51,6 +51,7 @@ from labs.collectives import (
     RingBuffers,
     all_gather,
     all_reduce,
+    backend_for_device,
     naive_all_reduce,
     recursive_doubling_all_reduce,
     reduce_scatter,
@@ -881,6 +882,51 @@ def test_reduce_scatter_and_all_gather_refuse_all_reduce_only_algorithms(algorit
         reduce_scatter(torch.ones(4), algorithm=algorithm)
     with pytest.raises(ValueError, match=r"RING.*TORCH"):
         all_gather(torch.ones(4), algorithm=algorithm)
+
+
+def send_meta_tensors(rank: int, world_size: int) -> dict[str, str]:
+    """Every send/recv collective on a tensor that is not on the CPU, under gloo; then one
+    built-in all-reduce, which only completes if no rank was left inside a send."""
+    calls = {f"all_reduce({a.name})": (lambda x, a=a: all_reduce(x, algorithm=a))
+             for a in Algorithm if a is not Algorithm.TORCH}
+    calls["ring_reduce_scatter"] = ring_reduce_scatter
+    calls["ring_all_gather"] = ring_all_gather
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call(torch.ones(8, device="meta"))
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    errors["built-in all_reduce afterwards"] = str(after.item())
+    return errors
+
+
+def test_a_tensor_gloo_cannot_send_is_refused_on_every_rank_before_any_message():
+    """gloo's send/recv take only CPU tensors (a CUDA one fails in the socket with "Bad
+    address", seen on a GPU box; tests/test_gpu.py checks that case). A meta tensor takes
+    the same path here without a GPU."""
+    results = launch(send_meta_tensors, 2, backend="gloo", echo=False, timeout=TIMEOUT)
+    for rank, errors in enumerate(results):
+        assert errors.pop("built-in all_reduce afterwards") == "2.0"
+        assert len(errors) == 6, errors
+        for name, message in errors.items():
+            assert message.startswith(f"rank {rank}: "), (name, message)
+            assert "gloo's send/recv cannot carry meta tensors" in message, (name, message)
+            assert "backend='nccl'" in message, (name, message)
+
+
+@pytest.mark.parametrize(("backend", "device_type", "expected"), [
+    ("gloo", "cuda", "gloo"),
+    ("nccl", "cuda", "nccl"),
+    ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu", "gloo"),
+    ("cpu:gloo,cuda:nccl", "xpu", "cpu:gloo,cuda:nccl"),
+])
+def test_backend_for_device_reads_one_backend_or_one_per_device(backend, device_type, expected):
+    assert backend_for_device(backend, device_type) == expected
 
 
 def gather_wrong_shards(rank: int, world_size: int, wrong_ranks: list[int]) -> str:

@@ -74,6 +74,28 @@ def test_every_collective_works_on_cuda_tensors_and_matches_nccl():
         assert problems == [], f"rank {rank}: {problems}"
 
 
+def ring_on_cuda_under_gloo(rank: int, world_size: int) -> tuple[str, float]:
+    """The ring on a CUDA tensor with gloo (ranks share cuda:0), then gloo's own all-reduce
+    of a CUDA tensor, which gloo stages through host memory."""
+    x = torch.ones(1000, device="cuda:0")
+    try:
+        all_reduce(x, algorithm=Algorithm.RING)
+        error = "no error"
+    except ValueError as refused:
+        error = str(refused)
+    dist.all_reduce(x)
+    return error, float(x[0])
+
+
+def test_gloo_refuses_cuda_tensors_for_send_recv_and_its_own_all_reduce_still_works():
+    """Without the check, gloo's send of a CUDA tensor fails in the socket ("writev: Bad
+    address"), seen on an H100 with torch 2.11."""
+    for rank, (error, value) in enumerate(launch(ring_on_cuda_under_gloo, 2, backend="gloo",
+                                                 echo=False, timeout=180)):
+        assert error.startswith(f"rank {rank}: ") and "cannot carry cuda tensors" in error, error
+        assert value == 2.0
+
+
 def test_chapter_1_labs_give_the_cpu_answer_on_the_gpus():
     config = ToyAllReduceConfig(grads=SEED_GRADIENTS[:gpus()], param=0.5, lr=0.001)
     nccl, gloo = on_both(toy_all_reduce_step, config)
