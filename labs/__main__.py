@@ -83,8 +83,9 @@ def _collectives(opts: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"a collective needs at least 2 ranks, got {world_size}.")
     settings = settings_from_args(opts)
     cases = settings.cases()
-    results = _run(time_collectives, world_size, (cases, settings.iters, settings.warmup),
-                   opts.backend, timeout=opts.timeout, threads=settings.threads)
+    args = (cases, settings.iters, settings.warmup, settings.min_bytes)
+    results = _run(time_collectives, world_size, args, opts.backend, timeout=opts.timeout,
+                   threads=settings.threads)
     if results is None:
         return  # under torchrun, rank 0 prints
     timings = results[0]  # every rank returns the same timings (max over ranks per call)

@@ -38,9 +38,11 @@ from labs.launch import MAX_WORLD_SIZE, Backend
 from labs.timing import (
     COMM_THREADS,
     DTYPES,
+    MAX_CALLS,
     CollectiveCase,
     CollectiveTiming,
     check_cases,
+    check_min_bytes,
     dtype_name,
     format_size,
     measure_collectives,
@@ -52,10 +54,13 @@ from labs.timing import (
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-#: Default sizes of ``python -m labs.bench collectives`` (about two minutes on 2 cores).
+#: Default sizes of ``python -m labs.bench collectives`` (under a minute on 2 cores).
 DEFAULT_SIZES: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24)
 #: Default output of ``python -m labs.bench collectives``.
 DEFAULT_OUT = Path("_build/bench/collectives.csv")
+#: Default ``min_bytes`` of a sweep: small sizes get enough calls to carry 64 MiB (at most
+#: ``labs.timing.MAX_CALLS``), so 1 MiB gets 64 where 16 and 64 MiB keep ``iters``.
+DEFAULT_MIN_BYTES = 64 << 20
 
 
 def algorithm_from_name(name: str) -> Algorithm:
@@ -84,6 +89,9 @@ class SweepSettings:
     backends: tuple[Backend, ...] = (Backend.GLOO,)
     iters: int = 5
     warmup: int = 1
+    #: Small sizes get more calls than ``iters``: enough to carry this many bytes
+    #: (:func:`labs.timing.calls_per_case`); 0 gives every size exactly ``iters``.
+    min_bytes: int = DEFAULT_MIN_BYTES
     dtype: torch.dtype = torch.float32
     segment_bytes: tuple[int | None, ...] = (DEFAULT_SEGMENT_BYTES,)
     window: int = DEFAULT_WINDOW
@@ -136,6 +144,10 @@ class SweepSettings:
                          self.iters, self.warmup)
         except ValueError as err:
             raise ValueError(f"--{str(err).split()[0]}: {err}") from None
+        try:
+            check_min_bytes(self.min_bytes)
+        except ValueError as err:
+            raise ValueError(f"--min-bytes: {err}") from None
         for segment in self.segment_bytes:
             if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int)
                                         or segment < item):
@@ -213,7 +225,8 @@ def run_sweep(
             runs.append(measure_collectives(cases, world_size, iters=settings.iters,
                                             warmup=settings.warmup, backend=backend.value,
                                             timeout=settings.timeout_s,
-                                            threads=settings.threads))
+                                            threads=settings.threads,
+                                            min_bytes=settings.min_bytes))
             if progress is not None:
                 progress(len(cases))
         timings += [_pool(same) for same in zip(*runs, strict=True)]
@@ -288,9 +301,11 @@ def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
                          f"{t.busbw_gbps:.3g}", str(t.correct),
                          _ratio_cell(ratio_to_torch(t, timings))])
         dtype = dtype_name(chosen[0].case.dtype)
-        blocks.append(f"{backend}, world size {world_size}, {dtype} (median of "
-                      f"{len(chosen[0].all_seconds)} iterations, slowest rank per call):\n"
-                      + format_table(header, rows))
+        counts = sorted({len(t.all_seconds) for t in chosen})
+        calls = (f"{counts[0]} iterations" if len(counts) == 1 else
+                 f"{counts[0]} to {counts[-1]} iterations, the most at the smallest size")
+        blocks.append(f"{backend}, world size {world_size}, {dtype} (median of {calls}, "
+                      "slowest rank per call):\n" + format_table(header, rows))
     summary = ring_vs_torch_table(timings)
     if summary:
         spread = any(t.launches > 1 for t in timings)
@@ -402,6 +417,7 @@ def _settings_record(settings: SweepSettings) -> dict[str, Any]:
         [a.value for a in settings.algorithms],
         "sizes": list(settings.sizes), "world_sizes": list(settings.world_sizes),
         "backends": [b.value for b in settings.backends], "iters": settings.iters,
+        "min_bytes": settings.min_bytes,
         "launches": settings.launches, "threads": settings.threads,
         "warmup": settings.warmup, "dtype": dtype_name(settings.dtype),
         "segment_bytes": list(settings.segment_bytes), "window": settings.window,
@@ -433,6 +449,10 @@ def _size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _min_bytes_arg(text: str) -> int:
+    return 0 if text.strip() == "0" else _size_arg(text)
 
 
 def _segment_arg(text: str) -> int | None:
@@ -487,6 +507,11 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default: {' '.join(format_size(s) for s in DEFAULT_SIZES)})")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per case")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per case first")
+    parser.add_argument("--min-bytes", type=_min_bytes_arg, default=DEFAULT_MIN_BYTES,
+                        metavar="SIZE",
+                        help="more calls than --iters at small sizes, enough to carry SIZE "
+                             f"(at most {MAX_CALLS} calls; 0: exactly --iters; default: "
+                             f"{format_size(DEFAULT_MIN_BYTES)})")
     parser.add_argument("--dtype", type=_dtype_arg, default=torch.float32,
                         help=f"one of {[dtype_name(d) for d in DTYPES]}")
     parser.add_argument("--segment-bytes", nargs="+", type=_segment_arg,
@@ -507,6 +532,7 @@ def settings_from_args(opts: argparse.Namespace, **more: Any) -> SweepSettings:
         collectives=tuple(dict.fromkeys(opts.collectives)),
         algorithms=None if opts.algorithms is None else tuple(dict.fromkeys(opts.algorithms)),
         sizes=tuple(dict.fromkeys(opts.sizes)), iters=opts.iters, warmup=opts.warmup,
+        min_bytes=opts.min_bytes,
         dtype=opts.dtype, segment_bytes=tuple(dict.fromkeys(opts.segment_bytes)),
         window=opts.window, threads=opts.threads, **more,
     )

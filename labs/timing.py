@@ -55,6 +55,8 @@ SEED = 1234
 #: additions compete with the transfers for the cores: on a 16-core machine that put the
 #: ring clearly behind gloo at 16 and 64 MiB, where with one thread the two were level.
 COMM_THREADS = 1
+#: The most timed calls :func:`calls_per_case` gives a case, however small it is.
+MAX_CALLS = 100
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -255,6 +257,27 @@ def results_match(result: torch.Tensor, expected: torch.Tensor) -> bool:
             and bool(torch.equal(result, expected)))
 
 
+def calls_per_case(size_bytes: int, iters: int, min_bytes: int) -> int:
+    """How many timed calls a case of ``size_bytes`` gets: ``iters``, or more where that is
+    needed for the calls together to carry ``min_bytes`` (S per call), at most
+    :data:`MAX_CALLS`.
+
+    A call on a small tensor is short and its time swings with whatever else the machine is
+    doing; a few more samples cost little there and steady the median. On the course machine
+    five calls at 1 MiB gave a ring/torch ratio anywhere between 0.3 and 2.3 from one launch
+    to the next. The count depends on the size alone, so every rank and every launch agrees
+    on it without a message.
+    """
+    return max(iters, min(MAX_CALLS, -(-min_bytes // size_bytes)))
+
+
+def check_min_bytes(min_bytes: object) -> int:
+    """``min_bytes`` checked: an int >= 0 (0: every case gets exactly ``iters`` calls)."""
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0 (0 turns it off), got {min_bytes!r}.")
+    return min_bytes
+
+
 def check_cases(cases: object, iters: object, warmup: object) -> list[CollectiveCase]:
     """``cases`` as a list, with ``iters`` and ``warmup`` checked: an error that says what to
     give instead, raised before any rank starts."""
@@ -391,7 +414,7 @@ def _time_one(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int,
 
 def time_collectives(
     rank: int, world_size: int, cases: Sequence[CollectiveCase], iters: int = 5,
-    warmup: int = 1,
+    warmup: int = 1, min_bytes: int = 0,
 ) -> list[CollectiveTiming]:
     """The worker of :func:`measure_collectives`: run by ``launch`` on every rank.
 
@@ -399,18 +422,22 @@ def time_collectives(
     iteration (iteration 1 of every case, then iteration 2, ...), so a drift in the machine's
     load affects them alike. Every call starts after a barrier; a call's time is its slowest
     rank's (times are max-reduced over ranks), ``correct`` is and-reduced over every call of
-    every rank. Every rank returns the same list, in the order of ``cases``.
+    every rank. Each case makes :func:`calls_per_case` timed calls (``iters`` unless
+    ``min_bytes`` asks for more at small sizes). Every rank returns the same list, in the
+    order of ``cases``.
     """
     found = check_cases(cases, iters, warmup)
+    check_min_bytes(min_bytes)
     device = _device(rank)
     groups: dict[tuple[int, torch.dtype], list[int]] = {}
     for i, case in enumerate(found):
         groups.setdefault((case.size_bytes, case.dtype), []).append(i)
-    seconds = torch.zeros(len(found), iters, dtype=torch.float64)
+    calls = [calls_per_case(case.size_bytes, iters, min_bytes) for case in found]
+    seconds = torch.zeros(len(found), max(calls), dtype=torch.float64)
     correct = torch.ones(len(found), dtype=torch.int32)
-    for indices in groups.values():
+    for (size_bytes, _), indices in groups.items():
         inputs = _Inputs.build([found[i] for i in indices], rank, world_size, device)
-        for it in range(warmup + iters):
+        for it in range(warmup + calls_per_case(size_bytes, iters, min_bytes)):
             # Every other iteration in reverse order, so that no case always runs first
             # after the inputs are refilled (or always right after another case).
             for i in indices if it % 2 == 0 else indices[::-1]:
@@ -426,7 +453,7 @@ def time_collectives(
     backend = str(dist.get_backend())
     timings = []
     for i, case in enumerate(found):
-        times = tuple(float(t) for t in slowest[i].cpu())
+        times = tuple(float(t) for t in slowest[i, :calls[i]].cpu())
         timings.append(CollectiveTiming(case, world_size, backend, statistics.median(times),
                                         times, bool(all_right[i].item())))
     return timings
@@ -435,17 +462,20 @@ def time_collectives(
 def measure_collectives(
     cases: Sequence[CollectiveCase], world_size: int, *, iters: int = 5, warmup: int = 1,
     backend: str = "auto", timeout: float = 300.0, threads: int = COMM_THREADS,
+    min_bytes: int = 0,
 ) -> list[CollectiveTiming]:
     """Time ``cases`` on ``world_size`` real ranks (one launch); returns rank 0's list.
 
     A notebook's entry point: ``measure_collectives([CollectiveCase(Collective.ALL_REDUCE,
     Algorithm.RING, 1 << 20)], 4)``. Bad input is refused before any process starts.
-    ``threads`` is each rank's intra-op threads (see :data:`COMM_THREADS`).
+    ``threads`` is each rank's intra-op threads (see :data:`COMM_THREADS`); ``min_bytes``
+    gives small sizes more calls than ``iters`` (:func:`calls_per_case`).
     """
     found = check_cases(cases, iters, warmup)
+    check_min_bytes(min_bytes)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
-    results = launch(time_collectives, world_size, args=(found, iters, warmup),
+    results = launch(time_collectives, world_size, args=(found, iters, warmup, min_bytes),
                      backend=backend, timeout=timeout, echo=False, threads=threads)
     return list(results[0])
 

@@ -10,7 +10,7 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from labs.bench_collectives import SweepSettings, run_sweep, sweep_tables
+from labs.bench_collectives import DEFAULT_MIN_BYTES, SweepSettings, run_sweep, sweep_tables
 from labs.collectives import Algorithm, Collective
 from labs.ddp_experiments import (
     StepSettings,
@@ -86,7 +86,9 @@ def sweep_command(settings: SweepSettings) -> str:
             f"--world-sizes {' '.join(map(str, settings.world_sizes))} "
             f"--iters {settings.iters} --warmup {settings.warmup}"
             + (f" --launches {settings.launches}" if settings.launches != 1 else "")
-            + (f" --threads {settings.threads}" if settings.threads != COMM_THREADS else ""))
+            + (f" --threads {settings.threads}" if settings.threads != COMM_THREADS else "")
+            + (f" --min-bytes {format_size(settings.min_bytes) if settings.min_bytes else 0}"
+               if settings.min_bytes != DEFAULT_MIN_BYTES else ""))
 
 
 def panel_settings(

@@ -29,6 +29,7 @@ from labs.timing import (
     CollectiveCase,
     CollectiveTiming,
     Statistic,
+    calls_per_case,
     format_size,
     measure_collectives,
     parse_size,
@@ -195,6 +196,8 @@ def no_launch(monkeypatch):
     (["--segment-bytes", "2"], "--segment-bytes"),
     (["--window", "0"], "--window"),
     (["--threads", "0"], "--threads"),
+    (["--min-bytes", "-1"], "--min-bytes"),
+    (["--min-bytes", "3Q"], "--min-bytes"),
     (["--out", "results.txt"], "--out"),
     (["--plot", "figure.svg"], "--plot"),
     (["--timeout", "0"], "--timeout"),
@@ -307,6 +310,44 @@ def test_launches_and_threads_must_be_positive_ints(field) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"--{field}"):
             bench_collectives.SweepSettings(**{field: bad})
+
+
+@pytest.mark.parametrize(("size", "iters", "min_bytes", "calls"), [
+    (1 << 20, 5, 64 << 20, 64),   # 64 calls of 1 MiB carry 64 MiB
+    (3 << 20, 5, 64 << 20, 22),   # rounded up: 21 calls would carry 63 MiB
+    (16 << 20, 5, 64 << 20, 5),   # 4 would do; iters is the floor
+    (1 << 10, 5, 64 << 20, timing.MAX_CALLS),  # 65536 wanted, capped
+    (1 << 10, 500, 64 << 20, 500),  # iters above the cap is still iters
+    (1 << 20, 5, 0, 5),           # off
+])
+def test_calls_per_case_carries_min_bytes_between_iters_and_the_cap(size, iters, min_bytes,
+                                                                    calls):
+    assert calls_per_case(size, iters, min_bytes) == calls
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64M"])
+def test_min_bytes_is_refused_before_any_rank_starts(no_launch, bad):
+    case = CollectiveCase(Collective.ALL_REDUCE, Algorithm.TORCH, 1 << 10)
+    with pytest.raises(ValueError, match="min_bytes"):
+        measure_collectives([case], 2, min_bytes=bad)
+    with pytest.raises(ValueError, match="--min-bytes"):
+        SweepSettings(min_bytes=bad)
+
+
+def test_small_sizes_get_more_calls_in_every_launch_and_the_table_says_so():
+    """Real ranks, two launches, min_bytes 256 KiB and iters 2: 4 KiB gets 64 calls per
+    launch and 64 KiB gets 4; the pooled timings keep both launches' calls."""
+    settings = SweepSettings(collectives=(Collective.ALL_REDUCE,),
+                             algorithms=(Algorithm.RING, Algorithm.TORCH),
+                             sizes=(4 << 10, 64 << 10), world_sizes=(2,), iters=2,
+                             min_bytes=256 << 10, launches=2)
+    timings = bench_collectives.run_sweep(settings)
+    calls = {(t.case.algorithm, t.case.size_bytes): len(t.all_seconds) for t in timings}
+    assert calls == {(Algorithm.RING, 4 << 10): 128, (Algorithm.TORCH, 4 << 10): 128,
+                     (Algorithm.RING, 64 << 10): 8, (Algorithm.TORCH, 64 << 10): 8}
+    assert all(t.correct and len(t.launch_medians()) == 2 for t in timings)
+    assert "median of 8 to 128 iterations, the most at the smallest size" in (
+        bench_collectives.sweep_tables(timings))
 
 
 def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:

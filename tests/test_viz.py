@@ -9,8 +9,10 @@ and a click both print a timing table.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import shlex
 from fractions import Fraction
 
 import ipywidgets as w
@@ -20,7 +22,7 @@ import torch
 
 matplotlib.use("Agg")
 
-from labs import widgets  # noqa: E402
+from labs import bench_collectives, widgets  # noqa: E402
 from labs.collectives import Algorithm, Collective, Phase, shard_bounds  # noqa: E402
 from labs.experiments import (  # noqa: E402
     AgreementSettings,
@@ -251,6 +253,25 @@ def test_panel_settings_refuse_bad_choices():
     one = widgets.panel_settings(Collective.REDUCE_SCATTER, 4, 1 << 20)
     assert one.algorithms_of(Collective.REDUCE_SCATTER) == (Algorithm.RING, Algorithm.TORCH)
     assert "--collectives reduce-scatter" in widgets.sweep_command(one)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"min_bytes": 0},
+    {"min_bytes": 3 << 20, "launches": 3, "threads": 2, "iters": 7, "warmup": 0},
+    {"collectives": (Collective.ALL_REDUCE,), "algorithms": (Algorithm.RING, Algorithm.TORCH),
+     "sizes": (1 << 20, 1 << 26), "world_sizes": (2, 4)},
+])
+def test_sweep_command_parses_back_into_the_same_settings(changes):
+    settings = dataclasses.replace(bench_collectives.SweepSettings(), **changes)
+    words = shlex.split(widgets.sweep_command(settings))
+    assert words[:4] == ["python", "-m", "labs.bench", "collectives"]
+    parser = argparse.ArgumentParser()
+    bench_collectives.add_collectives_parser(parser.add_subparsers())
+    opts = parser.parse_args(words[3:])
+    back = bench_collectives.settings_from_args(
+        opts, world_sizes=tuple(opts.world_sizes), launches=opts.launches)
+    assert back == settings
 
 
 def test_toy_panel_default_run_and_a_click(monkeypatch, capsys):
