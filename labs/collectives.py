@@ -198,18 +198,34 @@ class _Peers:
         return dist.irecv(tensor, self.global_rank(source), group=self.group, tag=tag)
 
     def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
-        """Send ``send`` to ``to`` while receiving into ``recv`` from ``source``, as one batch
-        (on NCCL two separate calls on the same pair of ranks can deadlock)."""
-        ops = []
-        if send.numel():
+        """Send ``send`` to ``to`` while receiving into ``recv`` from ``source``.
+
+        On NCCL the two go as one batch (``batch_isend_irecv``): two separate calls on the
+        same pair of ranks can deadlock there. gloo has no such hazard and the batch only
+        costs it time (on a 16-core host a lock-step ring all-reduce of 1 MiB took a fifth
+        longer batched at 2 ranks, a third longer at 4), so under gloo the receive is posted
+        first, then the send."""
+        sending, receiving = send.numel() > 0, recv.numel() > 0
+        if sending:
             self._count(send, sent=True)
-            ops.append(dist.P2POp(dist.isend, send, self.global_rank(to), self.group))
-        if recv.numel():
+        if receiving:
             self._count(recv, sent=False)
-            ops.append(dist.P2POp(dist.irecv, recv, self.global_rank(source), self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        device = send.device.type
+        if backend_for_device(str(dist.get_backend(self.group)), device) == "gloo":
+            works = []
+            if receiving:
+                works.append(dist.irecv(recv, self.global_rank(source), group=self.group))
+            if sending:
+                works.append(dist.isend(send, self.global_rank(to), group=self.group))
+        else:
+            ops = []
+            if sending:
+                ops.append(dist.P2POp(dist.isend, send, self.global_rank(to), self.group))
+            if receiving:
+                ops.append(dist.P2POp(dist.irecv, recv, self.global_rank(source), self.group))
+            works = dist.batch_isend_irecv(ops) if ops else []
+        for work in works:
+            work.wait()
 
 
 def backend_for_device(backend: str, device_type: str) -> str:
