@@ -228,6 +228,16 @@ class _Peers:
             work.wait()
 
 
+def exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int,
+             group: ProcessGroup | None = None) -> None:
+    """One lock-step ring step as a function: send ``send`` to rank ``to`` while receiving
+    ``recv`` from rank ``source`` (ranks in ``group``, taken modulo its size, so ``rank + 1``
+    and ``rank - 1`` are the ring's neighbours), both finished on return. Batched on
+    NCCL, receive-then-send on gloo (see :meth:`_Peers.exchange`); the cost model times its
+    messages with this."""
+    _Peers.of(group, None, send).exchange(send, to, recv, source)
+
+
 def backend_for_device(backend: str, device_type: str) -> str:
     """Which backend of ``backend`` (as ``dist.get_backend`` names it) carries tensors of
     ``device_type``: a group has one backend ("gloo") or one per device type

@@ -31,6 +31,7 @@ from labs.collectives import (
     all_reduce,
     builtin_all_gather,
     builtin_reduce_scatter,
+    exchange,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
@@ -561,11 +562,7 @@ def time_p2p(
             dist.barrier()
             start = time.perf_counter()
             if rank < 2 and pattern is P2PPattern.EXCHANGE:
-                peer = 1 - rank
-                ops = [dist.P2POp(dist.isend, outgoing, peer),
-                       dist.P2POp(dist.irecv, incoming, peer)]
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+                exchange(outgoing, 1 - rank, incoming, 1 - rank)  # as the ring's steps do
             elif rank == 0:
                 dist.send(outgoing, 1)
                 dist.recv(incoming, 1)

@@ -52,6 +52,7 @@ from labs.collectives import (
     all_gather,
     all_reduce,
     backend_for_device,
+    exchange,
     naive_all_reduce,
     recursive_doubling_all_reduce,
     reduce_scatter,
@@ -882,6 +883,21 @@ def test_reduce_scatter_and_all_gather_refuse_all_reduce_only_algorithms(algorit
         reduce_scatter(torch.ones(4), algorithm=algorithm)
     with pytest.raises(ValueError, match=r"RING.*TORCH"):
         all_gather(torch.ones(4), algorithm=algorithm)
+
+
+def pass_right(rank: int, world_size: int) -> list[float]:
+    """Two ring steps with exchange: each rank ends holding the values of rank - 2."""
+    held = torch.full((3,), float(rank))
+    for _ in range(2):
+        arriving = torch.empty(3)
+        exchange(held, rank + 1, arriving, rank - 1)
+        held = arriving
+    return held.tolist()
+
+
+def test_exchange_passes_a_tensor_one_rank_round_the_ring():
+    results = launch(pass_right, 3, backend="gloo", echo=False, timeout=TIMEOUT)
+    assert results == [[float((rank - 2) % 3)] * 3 for rank in range(3)]
 
 
 def send_meta_tensors(rank: int, world_size: int) -> dict[str, str]:
