@@ -210,8 +210,7 @@ class _Peers:
             self._count(send, sent=True)
         if receiving:
             self._count(recv, sent=False)
-        device = send.device.type
-        if backend_for_device(str(dist.get_backend(self.group)), device) == "gloo":
+        if _p2p_backend(self.group, send.device.type) == "gloo":
             works = []
             if receiving:
                 works.append(dist.irecv(recv, self.global_rank(source), group=self.group))
@@ -248,13 +247,18 @@ def backend_for_device(backend: str, device_type: str) -> str:
     return per_device.get(device_type, backend)
 
 
+def _p2p_backend(group: ProcessGroup | None, device_type: str) -> str:
+    """The backend that carries ``group``'s messages of tensors on ``device_type``."""
+    return backend_for_device(str(dist.get_backend(group)), device_type)
+
+
 def _check_p2p_device(tensor: torch.Tensor, group: ProcessGroup | None, rank: int) -> None:
     # gloo's own collectives accept CUDA tensors (they stage them through host memory), but
     # its send/recv hand the tensor's pointer to the socket as if it were host memory: the
     # kernel refuses a device address ("writev ...: Bad address") and the peer is left
     # waiting. Measured on one GPU with two gloo ranks; the same call on CPU tensors works.
     kind = tensor.device.type
-    if kind != "cpu" and backend_for_device(str(dist.get_backend(group)), kind) == "gloo":
+    if kind != "cpu" and _p2p_backend(group, kind) == "gloo":
         raise ValueError(
             f"rank {rank}: these collectives are built on send/recv, and gloo's send/recv "
             f"cannot carry {tensor.device.type} tensors (tensor on {tensor.device}). Use "
