@@ -157,6 +157,8 @@ class _Peers:
     rank: int
     size: int
     recorder: Recorder | None
+    #: The group's backend as ``dist.get_backend`` names it ("gloo", "cpu:gloo,cuda:nccl").
+    backend: str
 
     @classmethod
     def of(cls, group: ProcessGroup | None, recorder: Recorder | None,
@@ -169,10 +171,28 @@ class _Peers:
                 "torch.distributed is not initialised: call this inside a function run by "
                 "labs.launch (or under torchrun after init_process_group)."
             )
-        peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
+        peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder,
+                    str(dist.get_backend(group)))
         if tensor is not None and peers.size > 1:
-            _check_p2p_device(tensor, group, peers.rank)
+            peers.check_can_send(tensor)
         return peers
+
+    def check_can_send(self, tensor: torch.Tensor) -> None:
+        """Refuse a tensor this group's send/recv cannot carry.
+
+        gloo's own collectives accept CUDA tensors (they stage them through host memory), but
+        its send/recv hand the tensor's pointer to the socket as if it were host memory: the
+        kernel refuses a device address ("writev ...: Bad address") and the peer is left
+        waiting. Measured on one GPU with two gloo ranks; the same call on CPU tensors works.
+        """
+        kind = tensor.device.type
+        if kind != "cpu" and backend_for_device(self.backend, kind) == "gloo":
+            raise ValueError(
+                f"rank {self.rank}: these collectives are built on send/recv, and gloo's "
+                f"send/recv cannot carry {kind} tensors (tensor on {tensor.device}). Use "
+                "backend='nccl' with one GPU per rank, or keep the tensor on the CPU "
+                "(labs.launch.rank_device() picks the device that matches the backend)."
+            )
 
     def global_rank(self, group_rank: int) -> int:
         group_rank %= self.size
@@ -210,7 +230,7 @@ class _Peers:
             self._count(send, sent=True)
         if receiving:
             self._count(recv, sent=False)
-        if _p2p_backend(self.group, send.device.type) == "gloo":
+        if backend_for_device(self.backend, send.device.type) == "gloo":
             works = []
             if receiving:
                 works.append(dist.irecv(recv, self.global_rank(source), group=self.group))
@@ -245,26 +265,6 @@ def backend_for_device(backend: str, device_type: str) -> str:
         return backend
     per_device = dict(part.split(":", 1) for part in backend.split(","))
     return per_device.get(device_type, backend)
-
-
-def _p2p_backend(group: ProcessGroup | None, device_type: str) -> str:
-    """The backend that carries ``group``'s messages of tensors on ``device_type``."""
-    return backend_for_device(str(dist.get_backend(group)), device_type)
-
-
-def _check_p2p_device(tensor: torch.Tensor, group: ProcessGroup | None, rank: int) -> None:
-    # gloo's own collectives accept CUDA tensors (they stage them through host memory), but
-    # its send/recv hand the tensor's pointer to the socket as if it were host memory: the
-    # kernel refuses a device address ("writev ...: Bad address") and the peer is left
-    # waiting. Measured on one GPU with two gloo ranks; the same call on CPU tensors works.
-    kind = tensor.device.type
-    if kind != "cpu" and _p2p_backend(group, kind) == "gloo":
-        raise ValueError(
-            f"rank {rank}: these collectives are built on send/recv, and gloo's send/recv "
-            f"cannot carry {tensor.device.type} tensors (tensor on {tensor.device}). Use "
-            "backend='nccl' with one GPU per rank, or keep the tensor on the CPU "
-            "(labs.launch.rank_device() picks the device that matches the backend)."
-        )
 
 
 def _check(tensor: torch.Tensor, op: ReduceOp) -> None:

@@ -436,9 +436,9 @@ def time_collectives(
     calls = [calls_per_case(case.size_bytes, iters, min_bytes) for case in found]
     seconds = torch.zeros(len(found), max(calls), dtype=torch.float64)
     correct = torch.ones(len(found), dtype=torch.int32)
-    for (size_bytes, _), indices in groups.items():
+    for indices in groups.values():
         inputs = _Inputs.build([found[i] for i in indices], rank, world_size, device)
-        for it in range(warmup + calls_per_case(size_bytes, iters, min_bytes)):
+        for it in range(warmup + calls[indices[0]]):  # one size: one count
             # Every other iteration in reverse order, so that no case always runs first
             # after the inputs are refilled (or always right after another case).
             for i in indices if it % 2 == 0 else indices[::-1]:
