@@ -3,6 +3,9 @@
 The library the book's notebooks import. Modules follow the chapters:
 
 * :mod:`labs.launch` - run ``fn(rank, world_size, ...)`` on N real ranks (every chapter).
+  The package re-exports its names, so ``labs.launch`` the attribute is the function
+  ``launch``, not the module: write ``from labs import launch, rank_device`` or
+  ``from labs.launch import ...``; ``import labs.launch as m`` gives the function too.
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces.

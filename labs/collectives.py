@@ -191,7 +191,7 @@ class _Peers:
                 f"rank {self.rank}: these collectives are built on send/recv, and gloo's "
                 f"send/recv cannot carry {kind} tensors (tensor on {tensor.device}). Use "
                 "backend='nccl' with one GPU per rank, or keep the tensor on the CPU "
-                "(labs.launch.rank_device() picks the device that matches the backend)."
+                "(labs.rank_device() picks the device that matches the backend)."
             )
 
     def global_rank(self, group_rank: int) -> int:

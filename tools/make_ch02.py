@@ -40,7 +40,8 @@ from labs.collectives import (
     recursive_doubling_all_reduce, whole_tensor_ring_all_reduce,
 )
 from labs.cost_model import (
-    crossover_bytes, fit_alpha_beta, measured_over_predicted, plot_cost_model,
+    coefficients, crossover_bytes, fit_alpha_beta, measured_over_predicted,
+    plot_cost_model, predict,
 )
 from labs.experiments import (
     AgreementSettings, TraceSettings, compare_algorithms, expected_traffic, measure_traffic,
@@ -428,10 +429,42 @@ for n in (2, 4):
 print(f"4 ranks on {params.cores} cores: more ranks than cores: {params.oversubscribed(4)}")
 """, IGNORE),
     md(r"""
+Two ranks are a special case. There the ring's two chunks are halves, and the coefficients
+of the model say what each algorithm costs per byte of $S$:
+"""),
+    code("""
+ring2, doubling2 = (coefficients(a, 2) for a in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING))
+for name, c in (("ring", ring2), ("recursive doubling", doubling2)):
+    print(f"N = 2, {name:>18}: sends {c.bytes_per_byte:g} S, adds {c.reduced_per_byte:g} S, "
+          f"pays alpha {c.messages:g} time(s)")
+largest = model_sizes[-1]
+ring_s, doubling_s = (predict(a, largest, 2, params)
+                      for a in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING))
+calls = [t.all_seconds for t in model_timings[2] if t.case.size_bytes == largest
+         and t.case.algorithm in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING)]
+spread = max(max(c) / min(c) - 1 for c in calls)
+gap = abs(doubling_s / ring_s - 1)
+print(f"at {format_size(largest)} the model predicts ring {ring_s * 1e6:.0f} us, recursive "
+      f"doubling {doubling_s * 1e6:.0f} us: {gap:.1%} apart")
+print(f"the 5 calls of one algorithm at that size differ by up to {spread:.0%}: the predicted "
+      f"gap is {'smaller' if gap < spread else 'larger'} than that")
+""", IGNORE),
+    md(r"""
+At two ranks both algorithms send the same bytes, $S$ per rank. They differ only in a
+message latency, which the ring pays twice and recursive doubling once, against additions:
+recursive doubling adds the whole tensor, the ring half of it. So the model's crossover at
+$N=2$ is where $\tfrac{S}{2}\gamma = \alpha$, at $S = 2\alpha/\gamma$, and it rests on
+$\gamma$, the smallest of the three coefficients, and the two predictions stay close. When
+their gap is smaller than the spread of the calls (the cell above compares them), which of
+the two "wins" at $N=2$ is decided by the machine's noise, not by the algorithm, and the
+fastest of 5 calls can neither confirm nor refute the model there. At four
+ranks the ring sends $\tfrac{3}{2}S$ per rank against recursive doubling's $2S$, and the
+bytes set them apart.
+
 Read the figures with the model's blind spots in mind:
 
-* **More ranks than cores.** When there are more ranks than cores (the cell above says
-  whether that is the case here), ranks take turns on the cores; a rank that waits for a
+* **More ranks than cores.** When there are more ranks than cores (the crossover cell
+  says whether that is the case here), ranks take turns on the cores; a rank that waits for a
   core delays its neighbours, and nothing in $\alpha + \beta m$ says so.
 * **Links are shared.** All ranks of a ring send at once, and here every "link" is the same
   memory bus; the naive root's $N-1$ messages queue on one socket. The model prices each
@@ -464,9 +497,9 @@ that a single launch gave: a cell whose range straddles 1 says the two are level
 this machine can resolve, whatever its first number says.
 
 What to expect before looking: for CPU tensors gloo's own all-reduce is a ring too
-(`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments, two in
-flight, the addition of one overlapped with the transfer of the next), over the same TCP
-connections that `isend` and `irecv` use here. Same algorithm, same bytes, same transport:
+(`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments of at
+most 1 MiB, two in flight, the addition of one overlapped with the transfer of the next),
+over the same TCP connections that `isend` and `irecv` use here. Same algorithm, same bytes, same transport:
 the two can differ only by what Python adds per message and by how well each overlaps
 sending with adding, so ratios near 1 are the expected result, not a tie by luck. One setting
 matters for that: the ranks of a collectives benchmark run with one intra-op thread each, as
