@@ -436,7 +436,7 @@ of the model say what each algorithm costs per byte of $S$:
 ring2, doubling2 = (coefficients(a, 2) for a in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING))
 for name, c in (("ring", ring2), ("recursive doubling", doubling2)):
     print(f"N = 2, {name:>18}: sends {c.bytes_per_byte:g} S, adds {c.reduced_per_byte:g} S, "
-          f"pays alpha {c.messages:g} time(s)")
+          f"pays {c.messages:g} x alpha")
 largest = model_sizes[-1]
 ring_s, doubling_s = (predict(a, largest, 2, params)
                       for a in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING))
@@ -453,19 +453,20 @@ print(f"the 5 calls of one algorithm at that size differ by up to {spread:.0%}: 
 At two ranks both algorithms send the same bytes, $S$ per rank. They differ only in a
 message latency, which the ring pays twice and recursive doubling once, against additions:
 recursive doubling adds the whole tensor, the ring half of it. So the model's crossover at
-$N=2$ is where $\tfrac{S}{2}\gamma = \alpha$, at $S = 2\alpha/\gamma$, and it rests on
-$\gamma$, the smallest of the three coefficients, and the two predictions stay close. When
-their gap is smaller than the spread of the calls (the cell above compares them), which of
-the two "wins" at $N=2$ is decided by the machine's noise, not by the algorithm, and the
-fastest of 5 calls can neither confirm nor refute the model there. At four
-ranks the ring sends $\tfrac{3}{2}S$ per rank against recursive doubling's $2S$, and the
-bytes set them apart.
+$N=2$ is where $\tfrac{S}{2}\gamma = \alpha$, at $S = 2\alpha/\gamma$: it rests on $\gamma$,
+the smallest of the three coefficients. The two predictions differ by
+$|\tfrac{S}{2}\gamma - \alpha|$, a small part of either when adding is much faster than
+sending ($\gamma \ll \beta$). When that gap is smaller than the spread of the calls (the
+cell above compares them), which of the two "wins" at $N=2$ is decided by the machine's
+noise, not by the algorithm, and the fastest of 5 calls can neither confirm nor refute the
+model there. At four ranks the ring sends $\tfrac{3}{2}S$ per rank against recursive
+doubling's $2S$, and the bytes set them apart.
 
 Read the figures with the model's blind spots in mind:
 
 * **More ranks than cores.** When there are more ranks than cores (the crossover cell
-  says whether that is the case here), ranks take turns on the cores; a rank that waits for a
-  core delays its neighbours, and nothing in $\alpha + \beta m$ says so.
+  says whether that is the case here), ranks take turns on the cores; a rank that waits for
+  a core delays its neighbours, and nothing in $\alpha + \beta m$ says so.
 * **Links are shared.** All ranks of a ring send at once, and here every "link" is the same
   memory bus; the naive root's $N-1$ messages queue on one socket. The model prices each
   message as if it had the link to itself.
@@ -494,18 +495,21 @@ move from launch to launch, with the way the ranks happen to share the cores; so
 pools the iterations of three launches per world size, and each launch alternates the order
 of the two algorithms. In the last table the brackets hold the lowest and the highest ratio
 that a single launch gave: a cell whose range straddles 1 says the two are level within what
-this machine can resolve, whatever its first number says.
+this machine can resolve, whatever its first number says. That first number is the ratio of
+the medians of all the launches' calls pooled, not a launch's ratio, so when the launches
+differ it can even fall outside the brackets.
 
 What to expect before looking: for CPU tensors gloo's own all-reduce is a ring too
 (`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments of at
 most 1 MiB, two in flight, the addition of one overlapped with the transfer of the next),
-over the same TCP connections that `isend` and `irecv` use here. Same algorithm, same bytes, same transport:
-the two can differ only by what Python adds per message and by how well each overlaps
-sending with adding, so ratios near 1 are the expected result, not a tie by luck. One setting
-matters for that: the ranks of a collectives benchmark run with one intra-op thread each, as
-torchrun gives each process by default. gloo adds in a thread of its own and never uses
-them; the ring adds with torch, and with many threads per rank its additions compete with the
-transfers for the cores (`--threads` sets the number; try it on a machine with many cores).
+over the same TCP connections that `isend` and `irecv` use here. Same algorithm, same bytes,
+same transport: the two can differ only by what Python adds per message and by how well each
+overlaps sending with adding, so ratios near 1 are the expected result, not a tie by luck.
+One setting matters for that: the ranks of a collectives benchmark run with one intra-op
+thread each, as torchrun gives each process by default. gloo adds in a thread of its own and
+never uses them; the ring adds with torch, and with many threads per rank its additions
+compete with the transfers for the cores (`--threads` sets the number; try it on a machine
+with many cores).
 """),
     code("""
 bench_settings = SweepSettings(
