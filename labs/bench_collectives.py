@@ -254,26 +254,49 @@ def _torch_of(timing: CollectiveTiming,
     return None
 
 
+def call_ratios(timing: CollectiveTiming, reference: CollectiveTiming) -> list[float] | None:
+    """``reference``'s time / ``timing``'s time, call by call (> 1: ``timing`` is faster).
+
+    Cases of one size run interleaved (:func:`labs.timing.time_collectives`): call i of one
+    runs right beside call i of the other, so each ratio compares two calls that met the same
+    load on the machine, and a launch in which everything ran slow moves both alike. None
+    when the two did not run side by side (different numbers of calls or launches).
+    """
+    if (len(timing.all_seconds) != len(reference.all_seconds)
+            or timing.launches != reference.launches):
+        return None
+    return [ref / mine for ref, mine in zip(reference.all_seconds, timing.all_seconds,
+                                            strict=True)]
+
+
 def ratio_to_torch(timing: CollectiveTiming, timings: Sequence[CollectiveTiming]) -> float | None:
     """busbw of ``timing`` / busbw of torch's built-in at the same backend, N, collective and
-    size (> 1: faster than torch); None when torch was not measured there."""
+    size (> 1: faster than torch); None when torch was not measured there.
+
+    The median of the per-call ratios (:func:`call_ratios`) of every launch pooled; for two
+    timings that did not run side by side, the ratio of their medians.
+    """
     reference = _torch_of(timing, timings)
     if reference is None or timing.case.algorithm is Algorithm.TORCH:
         return None
-    return reference.seconds / timing.seconds
+    paired = call_ratios(timing, reference)
+    return reference.seconds / timing.seconds if paired is None else statistics.median(paired)
 
 
 def launch_ratios(timing: CollectiveTiming,
                   timings: Sequence[CollectiveTiming]) -> list[float] | None:
-    """:func:`ratio_to_torch` launch by launch (each launch's median against the same launch's
-    median of torch's built-in): how far one launch can move the ratio. None where there is no
-    ratio or only one launch."""
+    """:func:`ratio_to_torch` launch by launch (the median of each launch's per-call ratios):
+    how far one launch can move the ratio. The pooled median always lies between the lowest
+    and the highest of them (the launches have equal numbers of calls). None where there is
+    no ratio, only one launch, or no per-call pairing."""
     reference = _torch_of(timing, timings)
-    if (reference is None or timing.case.algorithm is Algorithm.TORCH or timing.launches < 2
-            or reference.launches != timing.launches):
+    if reference is None or timing.case.algorithm is Algorithm.TORCH or timing.launches < 2:
         return None
-    return [ref / mine for ref, mine in zip(reference.launch_medians(), timing.launch_medians(),
-                                            strict=True)]
+    paired = call_ratios(timing, reference)
+    if paired is None:
+        return None
+    per = len(paired) // timing.launches
+    return [statistics.median(paired[i * per:(i + 1) * per]) for i in range(timing.launches)]
 
 
 def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:
@@ -305,20 +328,23 @@ def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
         calls = (f"{counts[0]} iterations" if len(counts) == 1 else
                  f"{counts[0]} to {counts[-1]} iterations, the most at the smallest size")
         blocks.append(f"{backend}, world size {world_size}, {dtype} (median of {calls}, "
-                      "slowest rank per call):\n" + format_table(header, rows))
+                      "slowest rank per call; busbw / torch: median of per-call ratios):\n"
+                      + format_table(header, rows))
     summary = ring_vs_torch_table(timings)
     if summary:
         spread = any(t.launches > 1 for t in timings)
-        blocks.append("all-reduce, ring busbw / torch busbw (> 1: the ring is faster"
-                      + ("; in brackets the lowest and highest ratio of one launch" if spread
+        blocks.append("all-reduce, ring busbw / torch busbw (> 1: the ring is faster; the "
+                      "median of per-call ratios"
+                      + ("; in brackets the lowest and highest of one launch" if spread
                          else "") + "):\n" + summary)
     return "\n\n".join(blocks)
 
 
 def ring_vs_torch_table(timings: Sequence[CollectiveTiming]) -> str:
     """All-reduce: backend, world size and ring variant (rows) x size (columns) -> busbw ratio
-    of the ring to torch's built-in, and, after several launches, the lowest and highest
-    ratio of a single launch in brackets. Empty when the sweep had no ring or no torch."""
+    of the ring to torch's built-in (:func:`ratio_to_torch`), and, after several launches, the
+    lowest and highest ratio of a single launch in brackets (:func:`launch_ratios`). Empty
+    when the sweep had no ring or no torch."""
     from labs.viz import format_table
 
     rings = [t for t in timings if t.case.collective is Collective.ALL_REDUCE

@@ -225,8 +225,10 @@ def fit_alpha_beta(
 
     Ranks 0 and 1 exchange messages of each size in ``sizes`` (the other ranks wait; see
     :func:`labs.timing.time_p2p` for ``pattern``: an exchange, each rank sending and receiving
-    m bytes at once, is what one step of a ring or of recursive doubling does); then every
-    rank times ``torch.add`` on each of ``reduce_sizes`` (pass ``()`` to leave gamma at 0).
+    m bytes at once, is what one step of a ring or of recursive doubling does, and
+    ``P2PPattern.RING_STEP`` has all ranks do it at once, the load of an N-rank collective);
+    then every rank times ``torch.add`` on each of ``reduce_sizes`` (pass ``()`` to leave
+    gamma at 0).
     Each size is summarised by ``statistic`` (see :func:`alpha_beta_from_points`), and
     :func:`fit_line` says how the line is fitted and what its quality numbers mean.
     ``threads`` is each rank's intra-op threads, as when collectives are timed

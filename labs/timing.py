@@ -524,14 +524,20 @@ def _check_sizes(sizes: object, iters: object, warmup: object) -> list[int]:
 
 
 class P2PPattern(enum.Enum):
-    """How :func:`time_p2p` moves a message of m bytes between ranks 0 and 1."""
+    """How :func:`time_p2p` moves a message of m bytes between ranks."""
 
-    #: Both ranks send m bytes to each other at once and wait for both: one step of a ring or
-    #: one round of recursive doubling. Its time is the slower rank's.
+    #: Ranks 0 and 1 send m bytes to each other at once and wait for both: one step of a ring
+    #: or one round of recursive doubling, on two ranks. Its time is the slower rank's; the
+    #: other ranks idle.
     EXCHANGE = "exchange"
     #: Rank 0 sends m bytes, rank 1 sends them back: the time is half the round trip, one
     #: message on an otherwise idle link (the textbook measurement of alpha and beta).
     PING_PONG = "ping-pong"
+    #: Every rank sends m bytes to rank + 1 while receiving m bytes from rank - 1: one step
+    #: of a ring with all N ranks busy, as in a real collective. Its time is the slowest
+    #: rank's, so on more ranks than cores it includes the waits for a core. On two ranks it
+    #: is :attr:`EXCHANGE`.
+    RING_STEP = "ring-step"
 
 
 def time_p2p(
@@ -539,12 +545,13 @@ def time_p2p(
     pattern: P2PPattern = P2PPattern.EXCHANGE,
 ) -> list[PointTiming]:
     """Time a message of each size in ``sizes`` between ranks 0 and 1 (others wait at the
-    barriers): what the alpha-beta model calls ``alpha + beta * m``.
+    barriers), or round the whole ring: what the alpha-beta model calls ``alpha + beta * m``.
 
     With ``P2PPattern.EXCHANGE`` (the default) both ranks send and receive m bytes at once,
     as every step of the ring does. On one machine this is not the same as a one-way message:
     loopback "links" are memory copies made by the CPUs, so sending and receiving at once
     share them, where a network link would carry both directions at full speed.
+    ``P2PPattern.RING_STEP`` has every rank do the same at once with its two neighbours.
     Needs ``world_size >= 2``. Every rank returns the same list.
     """
     found = _check_sizes(sizes, iters, warmup)
@@ -554,14 +561,18 @@ def time_p2p(
         raise TypeError(f"pattern must be a P2PPattern, got {pattern!r}.")
     device = _device(rank)
     seconds = torch.zeros(len(found), iters, dtype=torch.float64)
+    source = _p2p_source(rank, world_size, pattern)
     for i, size in enumerate(found):
-        outgoing = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        incoming = torch.empty_like(outgoing)
+        # Each rank sends its own number, so the received values name the rank they came from.
+        outgoing = torch.full((size // 4,), float(rank), dtype=torch.float32, device=device)
+        incoming = torch.full_like(outgoing, -1.0)
         for it in range(warmup + iters):
             _sync(device)
             dist.barrier()
             start = time.perf_counter()
-            if rank < 2 and pattern is P2PPattern.EXCHANGE:
+            if pattern is P2PPattern.RING_STEP:
+                exchange(outgoing, rank + 1, incoming, rank - 1)  # ranks taken mod N
+            elif rank < 2 and pattern is P2PPattern.EXCHANGE:
                 exchange(outgoing, 1 - rank, incoming, 1 - rank)  # as the ring's steps do
             elif rank == 0:
                 dist.send(outgoing, 1)
@@ -571,9 +582,22 @@ def time_p2p(
                 dist.send(incoming, 0)
             _sync(device)
             took = time.perf_counter() - start
-            if it >= warmup and rank < 2:
+            if it >= warmup and (rank < 2 or pattern is P2PPattern.RING_STEP):
                 seconds[i, it - warmup] = took / (2 if pattern is P2PPattern.PING_PONG else 1)
+        if source is not None and not bool((incoming == source).all()):
+            raise RuntimeError(f"rank {rank}: the {pattern.value} messages of {size} bytes did "
+                               f"not come from rank {source}; the timings would not be of them.")
     return _gather_points(found, seconds, device)
+
+
+def _p2p_source(rank: int, world_size: int, pattern: P2PPattern) -> int | None:
+    """The rank whose number ``rank`` holds after a :func:`time_p2p` message (None: it takes
+    no part). In a ping-pong rank 1 sends rank 0's message back."""
+    if pattern is P2PPattern.RING_STEP:
+        return (rank - 1) % world_size
+    if rank >= 2:
+        return None
+    return 1 - rank if pattern is P2PPattern.EXCHANGE else 0
 
 
 def time_reduction(

@@ -14,6 +14,9 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from labs import __main__ as labs_cli
 from labs import bench, bench_collectives, timing
@@ -362,20 +365,22 @@ def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:
     assert pooled.launches == 2 and pooled.launch_medians() == [2.0, 20.0]
 
 
+def _pooled(algorithm: Algorithm, per_launch: list[tuple[float, ...]]) -> CollectiveTiming:
+    case = CollectiveCase(Collective.ALL_REDUCE, algorithm, 1 << 20)
+    runs = [CollectiveTiming(case, 2, "gloo", statistics.median(t), t, True) for t in per_launch]
+    return bench_collectives._pool(runs)
+
+
 def test_ratio_table_shows_each_launch_range() -> None:
     """One launch had the ring twice as fast as torch, the other half as fast: the table must
-    show that spread beside the pooled ratio (2.0 / median(1, 1, 1, 4, 4, 4) = 0.80)."""
-    def pooled(algorithm: Algorithm, per_launch: list[tuple[float, ...]]) -> CollectiveTiming:
-        case = CollectiveCase(Collective.ALL_REDUCE, algorithm, 1 << 20)
-        runs = [CollectiveTiming(case, 2, "gloo", statistics.median(t), t, True)
-                for t in per_launch]
-        return bench_collectives._pool(runs)
-
-    ring = pooled(Algorithm.RING, [(1.0, 1.0, 1.0), (4.0, 4.0, 4.0)])
-    torch_ = pooled(Algorithm.TORCH, [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)])
+    show that spread beside the pooled ratio, the median of the six per-call ratios
+    (2, 2, 2, 0.5, 0.5, 0.5: 1.25)."""
+    ring = _pooled(Algorithm.RING, [(1.0, 1.0, 1.0), (4.0, 4.0, 4.0)])
+    torch_ = _pooled(Algorithm.TORCH, [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)])
+    assert bench_collectives.call_ratios(ring, torch_) == [2.0, 2.0, 2.0, 0.5, 0.5, 0.5]
     assert bench_collectives.launch_ratios(ring, [ring, torch_]) == [2.0, 0.5]
     table = bench_collectives.ring_vs_torch_table([ring, torch_])
-    assert "0.80 (0.50-2.00)" in table.splitlines()[-1]
+    assert "1.25 (0.50-2.00)" in table.splitlines()[-1]
     assert "lowest and highest" in bench_collectives.sweep_tables([ring, torch_])
     # one launch: a plain ratio, no bracket
     single = [CollectiveTiming(ring.case, 2, "gloo", 1.0, (1.0,), True),
@@ -384,6 +389,37 @@ def test_ratio_table_shows_each_launch_range() -> None:
     assert bench_collectives.ring_vs_torch_table(single).splitlines()[-1].split()[-1] == "2.00"
     # the launch count survives a CSV round trip
     assert timing_from_record(ring.as_record()).launches == 2
+
+
+def test_ratio_pairs_each_call_with_the_torch_call_beside_it() -> None:
+    """Calls 4 and 5 were slow for both algorithms (the machine was busy), call 3 for the ring
+    alone. Beside its torch call the ring was 1.25x as fast in four calls of five, and the
+    paired ratio says 1.25; the ratio of the two medians (5 / 8) would say 0.625."""
+    ring = _pooled(Algorithm.RING, [(4.0, 4.0, 8.0, 8.0, 8.0)])
+    torch_ = _pooled(Algorithm.TORCH, [(5.0, 5.0, 5.0, 10.0, 10.0)])
+    assert bench_collectives.call_ratios(ring, torch_) == [1.25, 1.25, 0.625, 1.25, 1.25]
+    assert bench_collectives.ratio_to_torch(ring, [ring, torch_]) == 1.25
+    assert torch_.seconds / ring.seconds == 0.625
+    # timings that did not run side by side (different numbers of calls): ratio of medians
+    lone = _pooled(Algorithm.TORCH, [(2.0, 2.0, 2.0)])
+    assert bench_collectives.call_ratios(ring, lone) is None
+    assert bench_collectives.ratio_to_torch(ring, [ring, lone]) == 0.25
+    assert bench_collectives.launch_ratios(ring, [ring, lone]) is None
+
+
+@given(launches=st.integers(2, 4), calls=st.integers(1, 6), data=st.data())
+@hypothesis_settings(max_examples=300, deadline=None)
+def test_pooled_ratio_lies_within_the_launch_range(launches: int, calls: int,
+                                                   data: st.DataObject) -> None:
+    """The table's first number can never fall outside its own brackets."""
+    times = st.floats(0.5, 20.0, allow_nan=False)
+    per_launch = [[tuple(data.draw(st.lists(times, min_size=calls, max_size=calls)))
+                   for _ in range(launches)] for _ in range(2)]
+    ring, torch_ = _pooled(Algorithm.RING, per_launch[0]), _pooled(Algorithm.TORCH, per_launch[1])
+    spread = bench_collectives.launch_ratios(ring, [ring, torch_])
+    pooled = bench_collectives.ratio_to_torch(ring, [ring, torch_])
+    assert spread is not None and pooled is not None
+    assert min(spread) - 1e-12 <= pooled <= max(spread) + 1e-12, (pooled, spread)
 
 
 def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):

@@ -25,7 +25,14 @@ from labs.cost_model import (
     plot_cost_model,
     predict,
 )
-from labs.timing import CollectiveCase, CollectiveTiming, PointTiming, Statistic
+from labs.timing import (
+    CollectiveCase,
+    CollectiveTiming,
+    P2PPattern,
+    PointTiming,
+    Statistic,
+    time_p2p,
+)
 
 # The rank function below travels by value (the ranks need not import pytest).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -293,3 +300,19 @@ def test_plot_says_nothing_about_cores_when_there_are_enough():
     params = AlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10, cores=8)
     fig = plot_cost_model(_fake_timings(4, params), params, 4)
     assert "cores" not in fig.axes[1].get_title()
+
+
+@pytest.mark.parametrize("pattern", list(P2PPattern))
+def test_time_p2p_delivers_each_pattern_s_messages(pattern):
+    """On 3 ranks: every pattern's messages arrive from the rank they should (time_p2p checks
+    the values it received), the third rank of a ring step included."""
+    points = launch(time_p2p, 3, args=((4, 4096), 2, 1, pattern))[0]
+    assert [p.size_bytes for p in points] == [4, 4096]
+    assert all(len(p.all_seconds) == 2 and min(p.all_seconds) > 0 for p in points)
+
+
+def test_fit_alpha_beta_with_every_rank_stepping_a_ring():
+    params = fit_alpha_beta(3, sizes=(4, 4096, 65536), iters=3, reduce_sizes=(),
+                            pattern=P2PPattern.RING_STEP)
+    assert params.pattern is P2PPattern.RING_STEP and params.world_size == 3
+    assert params.alpha_s + params.beta_s_per_byte > 0

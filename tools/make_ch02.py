@@ -25,6 +25,8 @@ each one is measured rather than described:
 """),
     setup("""
 import inspect
+import math
+import statistics
 import struct
 from fractions import Fraction
 
@@ -47,7 +49,9 @@ from labs.experiments import (
     AgreementSettings, TraceSettings, compare_algorithms, expected_traffic, measure_traffic,
     run_ring_trace,
 )
-from labs.timing import CollectiveCase, Statistic, format_size, measure_collectives
+from labs.timing import (
+    CollectiveCase, P2PPattern, Statistic, format_size, measure_collectives,
+)
 from labs.viz import (
     agreement_table, format_table, plot_traffic, ring_animation, ring_steps_figure,
     ring_trace_table, traffic_table,
@@ -466,7 +470,8 @@ Read the figures with the model's blind spots in mind:
 
 * **More ranks than cores.** When there are more ranks than cores (the crossover cell
   says whether that is the case here), ranks take turns on the cores; a rank that waits for
-  a core delays its neighbours, and nothing in $\alpha + \beta m$ says so.
+  a core delays its neighbours, and nothing in $\alpha + \beta m$ says so. The next section
+  measures how much.
 * **Links are shared.** All ranks of a ring send at once, and here every "link" is the same
   memory bus; the naive root's $N-1$ messages queue on one socket. The model prices each
   message as if it had the link to itself.
@@ -478,6 +483,52 @@ Read the figures with the model's blind spots in mind:
 
 The shape still holds: with few ranks and small tensors the algorithm with fewer messages
 wins, and as tensors grow the bytes on the busiest link decide.
+
+### The parameters depend on the load
+
+$\alpha$ and $\beta$ above were fitted on two ranks, one exchanging pair, every other rank
+idle. In a 4-rank collective every rank sends, receives and adds at the same time. Fitting
+again with all four ranks stepping a ring at once (each sends $m$ bytes to its right
+neighbour while it receives $m$ from its left: `P2PPattern.RING_STEP`) prices a message under
+the load that a collective puts on the machine. The table compares the 4-rank measurements
+with both fits: the geometric mean of measured / predicted over the 7 sizes, and its range.
+"""),
+    code("""
+busy = fit_alpha_beta(world_size=4, pattern=P2PPattern.RING_STEP)
+print("2 ranks, one pair exchanging:", params.summary())
+print("4 ranks, all stepping a ring:", busy.summary())
+print(f"busy / alone: alpha x {busy.alpha_s / params.alpha_s:.1f}, "
+      f"beta x {busy.beta_s_per_byte / params.beta_s_per_byte:.1f}, "
+      f"gamma x {busy.gamma_s_per_byte / params.gamma_s_per_byte:.1f}")
+
+def against(fit, timings):
+    ratios = [measured_over_predicted(t, fit) for t in timings]
+    return statistics.geometric_mean(ratios), f"{min(ratios):.2g} to {max(ratios):.2g}"
+
+rows = []
+for algorithm in Algorithm:
+    if algorithm is Algorithm.TORCH:
+        continue
+    timings = [t for t in model_timings[4] if t.case.algorithm is algorithm]
+    (alone, alone_range), (loaded, loaded_range) = (against(f, timings) for f in (params, busy))
+    closer = "busy" if abs(math.log(loaded)) < abs(math.log(alone)) else "2 ranks"
+    rows.append([algorithm.value, f"{alone:.2f}", alone_range, f"{loaded:.2f}", loaded_range,
+                 closer])
+print()
+print(format_table(["N = 4", "2-rank fit", "range", "busy fit", "range", "closer to 1"], rows))
+""", IGNORE),
+    md(r"""
+The third line of the cell says how much a message's fixed cost and its cost per byte grow
+when the other ranks compete for the same cores and memory. An algorithm in which every rank
+works at every step (the ring, recursive doubling, the whole-tensor ring) runs under the
+busy fit's load. The naive algorithm does not: while the root receives one tensor after
+another, the other ranks wait, so its load lies somewhere between the two fits. What is
+left of measured / predicted after the busy fit is what the model still leaves out: the
+pipelining, and at small sizes a latency that the fit's straight line does not follow.
+
+So $\alpha$ and $\beta$ are constants of a machine *under a given load*, not of the machine.
+A cluster's network behaves the same way, where the load includes the other jobs on its
+switches: fit the model on the machine, under the load it will run with.
 
 ## The ring against torch's built-in
 
@@ -492,12 +543,14 @@ prints the same table from ranks that `torchrun` started, across nodes too, wher
 messages cross a real network. On a machine shared with other
 work the timings move from run to run, small sizes most, and on a small machine they also
 move from launch to launch, with the way the ranks happen to share the cores; so the cell
-pools the iterations of three launches per world size, and each launch alternates the order
-of the two algorithms. In the last table the brackets hold the lowest and the highest ratio
-that a single launch gave: a cell whose range straddles 1 says the two are level within what
-this machine can resolve, whatever its first number says. That first number is the ratio of
-the medians of all the launches' calls pooled, not a launch's ratio, so when the launches
-differ it can even fall outside the brackets.
+runs three launches per world size. Within a launch the two algorithms take turns call by
+call (each iteration in the opposite order to the last), so call $i$ of the ring and call $i$
+of torch's met the same load, and each ratio in the `busbw / torch` column is the median of
+those per-call ratios, all launches pooled (so it need not equal the quotient of the two
+`busbw` entries, each the median of its own calls). In the last table the brackets hold the lowest
+and the highest of the same median taken one launch at a time (the pooled one always lies
+between them): a cell whose range straddles 1 says the two are level within what this machine
+can resolve, whatever its first number says.
 
 What to expect before looking: for CPU tensors gloo's own all-reduce is a ring too
 (`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments of at
