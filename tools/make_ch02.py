@@ -384,8 +384,10 @@ of the link. Adding received bytes costs $\gamma$ per byte. Along the critical p
 | naive | $2(N-1)\,(\alpha + S\beta) + (N-1)S\gamma$ |
 | whole-tensor ring | $(N-1)\,(\alpha + S\beta + S\gamma)$ |
 
-`fit_alpha_beta` measures $\alpha$ and $\beta$ on this machine by ping-pong between two real
-ranks over message sizes from 4 B to 4 MiB, and $\gamma$ by timing `torch.add`:
+`fit_alpha_beta` measures $\alpha$ and $\beta$ on this machine by timing exchanges between two
+real ranks, each sending $m$ bytes to the other while receiving $m$ (one step of a ring, done
+by `labs.collectives.exchange`, the function the lock-step ring uses), over message sizes
+from 4 B to 4 MiB; and $\gamma$ by timing `torch.add`:
 """),
     code("""
 params = fit_alpha_beta(world_size=2)
@@ -476,7 +478,8 @@ Read the figures with the model's blind spots in mind:
   memory bus; the naive root's $N-1$ messages queue on one socket. The model prices each
   message as if it had the link to itself.
 * **Small messages.** At a few KiB the time is almost all $\alpha$, and $\alpha$ measured on
-  an idle ping-pong is not what a busy collective sees; timings there are also the noisiest.
+  one idle pair of ranks is not what a busy collective sees; timings there are also the
+  noisiest.
 * **The library's ring is pipelined** on CPU (segments overlap sending and adding), which the
   lock-step formula does not describe, and torch's built-in has no formula at all: gloo picks
   its own algorithm.
@@ -670,7 +673,8 @@ result = check_ring_all_reduce(my_ring_all_reduce)
   $2(N-1)$ message latencies.
 * **Recursive doubling** needs only $\lceil\log_2 N\rceil$ rounds but sends $\log_2 N\cdot S$:
   it wins on small tensors, the ring on large ones. A fitted $\alpha$-$\beta$ model predicts
-  the crossover, and the measurements show where the model is too simple.
+  the crossover, and the measurements show where the model is too simple. Its parameters
+  hold for the load they were measured under: fitted with every rank busy, they grow.
 * Counting messages is not timing them: the "O(n²) against O(n)" table compares a
   group's count with one rank's, and the real difference is bytes per link against latency.
 * NCCL makes this choice per call, by size and topology, among rings, trees and protocols.
