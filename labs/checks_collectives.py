@@ -11,8 +11,9 @@ float32, so every sum is exact and the comparison is ``torch.equal``. Inside eve
   messages;
 * ``ProcessGroup.send`` counts the bytes the rank sends, so the check can hold the answer to
   the ring's volume: 2(N-1)/N·S per rank for an all-reduce, (N-1)/N·S for a reduce-scatter
-  or an all-gather, S being the size of the whole tensor, plus at most one element per
-  message when chunks are uneven (at most phases·(N-1)·ceil(numel/N) elements).
+  or an all-gather, S being the size of the whole tensor, rounded up to whole chunks: at
+  most phases·(N-1) chunks of ceil(numel/N) elements, less than one element per message
+  more than the formula when chunks are uneven.
 
 ``seed=0`` runs the documented cases; any other seed also draws three numels and one extra
 world size (up to 6) from ``random.Random(seed)``, and the verdict names them.
@@ -549,6 +550,11 @@ def _judge_values(exercise: Exercise, seed: int, n: int, cases: tuple[_Case, ...
 # --- judging traffic ----------------------------------------------------------------------------
 
 
+def _chunk_count(exercise: Exercise) -> str:
+    """How many chunks a rank of the ring sends, as a formula in N: N-1 per phase."""
+    return {2: "2(N-1)", 1: "N-1"}[exercise.phases]
+
+
 def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
                    results: Sequence[list[_Outcome]]) -> str:
     if n == 1:
@@ -571,14 +577,16 @@ def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
         esize = results[0][i].after.element_size()
         total_bytes = numel * esize
         sent = [res[i].bytes_sent for res in results]
-        upper = exercise.phases * (n - 1) * math.ceil(numel / n) * esize
+        longest = math.ceil(numel / n)  # elements of the longest chunk (shard_bounds)
+        upper = exercise.phases * (n - 1) * longest * esize
         worst = max(range(n), key=lambda r: (sent[r], -r))
         optimal = exercise.phases * (n - 1) / n * total_bytes
         where = f"with {n} rank(s), {cases[i].describe()} (S = {total_bytes} bytes)"
         if sent[worst] > upper:
             return (f"{where}: the values are right, but rank {worst} sent {sent[worst]} bytes. "
                     f"A ring {exercise.collective.value} sends {formula} = {optimal:.1f} bytes "
-                    f"per rank (at most {upper} with uneven chunks). {why}")
+                    f"per rank; the check allows {upper}: {_chunk_count(exercise)} chunks of "
+                    f"at most ceil(numel/N) = {longest} elements. {why}")
         lower = (n - 1) * total_bytes
         if sum(sent) < lower:
             return (f"{where}: the values are right, but the ranks sent only {sum(sent)} bytes "
@@ -701,8 +709,9 @@ def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int
     bound = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
     return _report(CheckResult(
         exercise.title, True,
-        f"{what}, with {sizes} rank(s) and numel {shapes}; no rank sent more than the ring's "
-        f"{bound} bytes, and no built-in collective was used.{plan.note()}",
+        f"{what}, with {sizes} rank(s) and numel {shapes}; no rank sent more than "
+        f"{_chunk_count(exercise)} chunks of ceil(numel/N) elements (the ring's {bound}, "
+        f"rounded up to whole chunks), and no built-in collective was used.{plan.note()}",
     ))
 
 
@@ -714,7 +723,8 @@ def check_ring_all_reduce(
 ) -> CheckResult:
     """Exercise 2.1: ``ring_all_reduce(tensor)`` must leave every rank's ``tensor`` holding
     the element-wise sum over all ranks (in place; the return value is ignored), using only
-    point-to-point calls, each rank sending at most the ring's 2(N-1)/N·S bytes."""
+    point-to-point calls, each rank sending at most the ring's 2(N-1) chunks of ceil(numel/N)
+    elements (2(N-1)/N·S, rounded up to whole chunks)."""
     return _check(Exercise.RING_ALL_REDUCE, ring_all_reduce, world_sizes, seed, timeout)
 
 
@@ -726,7 +736,8 @@ def check_ring_reduce_scatter(
 ) -> CheckResult:
     """Exercise 3.1: ``ring_reduce_scatter(tensor)`` must return, on rank r, a 1-D tensor
     holding chunk r (``shard_bounds`` / ``torch.tensor_split``) of the flattened sum over
-    ranks, leave ``tensor`` unchanged, and send at most (N-1)/N·S bytes per rank."""
+    ranks, leave ``tensor`` unchanged, and send at most N-1 chunks of ceil(numel/N) elements
+    per rank ((N-1)/N·S, rounded up to whole chunks)."""
     return _check(Exercise.RING_REDUCE_SCATTER, ring_reduce_scatter, world_sizes, seed, timeout)
 
 
@@ -738,8 +749,9 @@ def check_ring_all_gather(
 ) -> CheckResult:
     """Exercise 4.1: ``ring_all_gather(shard, numel)``, with rank i holding chunk i of
     ``shard_bounds(numel, N)``, must return on every rank the 1-D tensor of ``numel``
-    elements that concatenates the shards in rank order, sending at most (N-1)/N·S bytes
-    per rank (S: the size of the result)."""
+    elements that concatenates the shards in rank order, sending at most N-1 chunks of
+    ceil(numel/N) elements per rank ((N-1)/N·S, S the size of the result, rounded up to whole
+    chunks)."""
     return _check(Exercise.RING_ALL_GATHER, ring_all_gather, world_sizes, seed, timeout)
 
 
@@ -750,6 +762,6 @@ def check_composed_all_reduce(
     timeout: float = CHECK_TIMEOUT_S,
 ) -> CheckResult:
     """Exercise 4.2: ``all_reduce(tensor)``, built from the learner's reduce-scatter and
-    all-gather, must sum ``tensor`` over ranks in place, sending at most 2(N-1)/N·S bytes per
-    rank: the reduce-scatter's (N-1)/N·S plus the all-gather's."""
+    all-gather, must sum ``tensor`` over ranks in place, sending at most 2(N-1) chunks of
+    ceil(numel/N) elements per rank: the reduce-scatter's N-1 plus the all-gather's."""
     return _check(Exercise.COMPOSED_ALL_REDUCE, all_reduce, world_sizes, seed, timeout)

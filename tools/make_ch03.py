@@ -98,10 +98,11 @@ the all-reduce each rank holds all four sums. Same additions, a quarter of the r
 ### Are the sums all 1.0?
 
 The example usually comes with the claim that every parameter's summed gradient is exactly
-1.0. Each column below is added three ways: with exact decimal arithmetic (Python's
-`fractions`), in float32 by the two reduce-scatters above, and in float32 by one process
-adding the four rows (`torch.tensor(GRADS).sum(0)`). The last columns count how many float32
-numbers each result lies from 1.0: 0 means exactly 1.0, +1 the next float32 above it.
+1.0. Each column below is added once with exact decimal arithmetic (Python's `fractions`)
+and three ways in float32: by the ring reduce-scatter, by torch's reduce-scatter (both from
+the table above), and by one process adding the four rows (`torch.tensor(GRADS).sum(0)`).
+The last columns count how many float32 numbers each float32 result lies from 1.0: 0 means
+exactly 1.0, +1 the next float32 above it.
 """),
     code("""
 exact = [sum(fractions.Fraction(str(g[c])) for g in GRADS) for c in range(4)]
@@ -131,17 +132,23 @@ for name, values in [("ring", [r[0].item() for r in results]),
           [PARAMS[c] for c in range(4) if values[c] != 1.0])
 print("params where the two reduce-scatters disagree:",
       [PARAMS[c] for c in range(4) if results[c][0].item() != results[c][1].item()])
+print("params where torch's reduce-scatter differs from torch's all-reduce:",
+      [PARAMS[c] for c in range(4) if results[c][1].item() != results[c][2][c].item()])
 """, CHECK),
     md(r"""
 With exact arithmetic the claim can be checked column by column, and the first line says
 which sums are 1. The ranks, though, do not add decimals: 0.1, 0.2, 0.3 and 0.4 have no exact
 float32 form, and each addition rounds. Whether a float32 sum lands exactly on 1.0 then depends
-on the **order** of the additions, and the three ways above add in different orders: the ring
-starts chunk $c$ on rank $c+1$ and goes round the ring to rank $c$, gloo uses its own order,
-and `sum(0)` adds the rows top to bottom. The lines above list where that order showed. A
-difference of a float32 step or two is harmless for training, but it is why the results of different
-collective implementations are compared with a tolerance, while the ranks of *one*
-implementation must agree bit for bit (each chunk is summed once, by one rank).
+on the **order** of the additions, and the three float32 ways add in different orders. The
+ring starts chunk $c$ on rank $c+1$ and goes round the ring to rank $c$. torch's
+reduce-scatter on gloo is an all-reduce inside: it all-reduces a copy of the whole tensor
+and keeps this rank's chunk (more on that under "While it runs" below), so its sums
+are gloo's all-reduce's, as the last line confirms. `sum(0)` adds the rows top to bottom.
+The lines above list where the order showed. A difference of a float32 step or two is
+harmless for training, but it is why the results of different collective implementations are
+compared with a tolerance, not bit for bit. Within one implementation nothing can disagree:
+each chunk of the result exists on one rank only, the rank that owns it, and when an
+all-gather later copies it to the others (chapter 4) they all receive the same bits.
 
 ## The first phase of the ring
 
@@ -204,9 +211,15 @@ print(format_table(["N", "sent / S (every rank)", "received / S", "(N-1)/N",
 """, CHECK),
     md(r"""
 Every rank sends exactly as much as every other, whatever $N$ is, and the total approaches
-$S$ from below. A rank must receive at least $\frac{N-1}{N}S$: its chunk of the result
-depends on $N-1$ other ranks' parts of that chunk, $\frac{S}{N}$ bytes each. So the ring
-reduce-scatter is bandwidth-optimal, as the ring all-reduce is.
+$S$ from below. No algorithm can send less. Take one element of the result: its $N$
+contributions start on $N$ different ranks and must end up added together on one. Call the
+contributions already combined in one place a group: there are $N$ groups at the start and
+one at the end, and a message carrying that element (a contribution or a partial sum) merges
+at most two groups into one. So every element travels at least $N-1$ times: each chunk of
+$\frac{S}{N}$ bytes costs at least $(N-1)\frac{S}{N}$ bytes of messages, and the whole
+reduce-scatter at least $(N-1)S$, summed over all ranks. That is $\frac{N-1}{N}S$ per rank on
+average, so the busiest rank sends at least that much. The ring sends exactly that on every
+rank: it is bandwidth-optimal, as the ring all-reduce is.
 
 ## Memory, measured
 
@@ -214,8 +227,10 @@ The usual selling point of reduce-scatter is memory: each rank keeps $1/N$ of th
 Instead of assuming that, `labs.memory` measures it. A `MemoryTimeline` counts, at named
 moments, the bytes of the tensor storages a rank holds (each storage once, however many views
 point into it; a tensor the code has let go of drops out by itself), and an
-`AllocationTracker` records every storage PyTorch operators create while a block runs, so the
-buffers *inside* a collective are seen too. They count tensor bytes, not the process's
+`AllocationTracker` records every storage created by the PyTorch operators that a block
+calls, so the buffers of a collective written in Python, like the ring, are all seen; what a
+built-in collective allocates inside its own C++ operator is not (see "While it runs"
+below). Both count tensor bytes, not the process's
 resident memory or the allocator's cache: that is what a formula in $S$ and $N$ talks about,
 and on a CPU it is exactly reproducible. Here is what each rank runs:
 """),
@@ -277,15 +292,23 @@ print(format_table(["algorithm", "N", "S/N (bytes)", "peak allocated during",
                     "peak / (S/N)", "storages created on rank 0 (operator, bytes)"], rows))
 """, CHECK),
     md(r"""
-The allocations column accounts for the peak. For the ring: the returned chunk (`clone`),
-the two chunk-sized accumulators that partial sums alternate between, and whatever other
-chunk-sized buffers the pipelined ring of chapter 2 sets aside for incoming segments (up to
-its `window` of them). All of them scale as $S/N$, so the transient cost shrinks as $N$ grows;
-at $N = 1$ there is no ring at all, only the copy that is returned. For torch's reduce-scatter
-the tracker sees only what `labs.collectives.reduce_scatter` prepares around it: a zero-padded
-copy of the input ($S$ bytes, so that uneven chunks fit torch's equal split), the output, and
-the output trimmed to this rank's chunk. Gloo's own buffers are not tensors, so the tracker
-cannot see them: for torch's collective the peak is a lower bound.
+The allocations column accounts for the peak. The ring creates three chunk-sized storages:
+the two accumulators that partial sums alternate between (`empty`, twice) and the returned
+chunk (`clone`, a copy so that the result does not keep an accumulator alive). Each incoming
+chunk lands straight in an accumulator, so the ring needs no other receive buffers. With
+$N \ge 3$ both accumulators are still alive when the copy is made, and the peak is three
+chunks. With $N = 2$ the ring has a single step, which uses only the first accumulator; the
+second is dropped before the copy is made, so the peak is two chunks. At $N = 1$ there is no
+ring at all, only the copy that is returned. All of it scales as $S/N$, so the transient
+cost shrinks as $N$ grows.
+
+For torch's reduce-scatter the tracker lists one storage: the output that
+`labs.collectives.reduce_scatter` allocates for it (840 elements divide into $N$ equal chunks,
+so no padded copy of the input is needed). That is not all the call uses. PyTorch's gloo
+backend has no reduce-scatter of its own: inside its C++ operator it clones the whole input
+($S$ bytes), all-reduces the clone, and copies this rank's chunk into the output. The tracker
+sees only the operators called from Python, not the tensors made inside one, so for torch's
+collective the peak in the table leaves out that $S$-byte clone.
 
 ### "75% less memory"
 
@@ -323,18 +346,25 @@ Chapter 6 builds the count from measured tensors instead.
 
 ## Why ZeRO and FSDP need it
 
-ZeRO (Rajbhandari et al., [arXiv:1910.02054](https://arxiv.org/abs/1910.02054)) and PyTorch's
-FSDP give each rank one shard of the parameters (and of the optimizer state) to own. A rank
-then needs only the gradient of *its* shard, summed over all ranks: exactly what a
-reduce-scatter delivers. It updates its shard with it, and the ranks swap updated shards with
-an **all-gather** (chapter 4), so that every rank can run the next forward pass with all the
-parameters.
+ZeRO (Rajbhandari et al., [arXiv:1910.02054](https://arxiv.org/abs/1910.02054)) splits the
+training state over the ranks in three stages. Stage 1 shards the optimizer state and
+stage 2 the gradients too; both keep the full parameters on every rank. Stage 3, which
+PyTorch's FSDP implements, shards the parameters as well. In every stage each rank updates
+only its own shard of the parameters, so it needs only the gradient of *its* shard, summed
+over all ranks: exactly what a reduce-scatter delivers.
 
-The update from the example, on real ranks: rank $r$ owns parameter $r$. The example's
-update subtracts the learning rate times the *summed* gradient; data-parallel training uses
-the mean (chapter 1), so both are shown. The example gives no starting values, so every
-parameter starts at 0.5, as in chapter 1. The last column is the ordinary data-parallel step
-for comparison: all-reduce the whole gradient, then update every parameter on every rank.
+What follows the update differs. In stages 1 and 2 the ranks swap the updated shards with an
+**all-gather** (chapter 4), so that every rank again holds all the parameters for the next
+forward pass. In stage 3 and FSDP the parameters stay sharded: the parameters of each unit
+(a layer or a group of layers) are all-gathered just before the unit runs, in forward and
+again in backward, and freed after. Chapter 6 builds both.
+
+The update from the example, on real ranks, as stages 1 and 2 do it: rank $r$ owns parameter
+$r$, updates it, and all-gathers. The example's update subtracts the learning rate times the
+*summed* gradient; data-parallel training uses the mean (chapter 1), so both are shown. The
+example gives no starting values, so every parameter starts at 0.5, as in chapter 1. Each
+rank also runs the ordinary data-parallel step for comparison: all-reduce the whole gradient,
+then update every parameter; the check after the table compares the two.
 """),
     code("""
 LR = 0.001
@@ -362,15 +392,28 @@ print(format_table(["rank", "owns", "start", "summed grad", "p - lr*sum (example
                     "mean grad", "p - lr*mean (owned shard)"], rows))
 """),
     code("""
-same = all(torch.equal(s[4], s[5]) for s in steps)
-everywhere = all(torch.equal(s[4], steps[0][4]) for s in steps)
+def bit_for_bit(steps):
+    same = all(torch.equal(s[4], s[5]) for s in steps)
+    everywhere = all(torch.equal(s[4], steps[0][4]) for s in steps)
+    return same and everywhere
+
 print("after the all-gather every rank holds", steps[0][4].tolist())
 print("sharded update + all-gather == all-reduce + full update, bit for bit, on every rank:",
-      same and everywhere)
+      bit_for_bit(steps))
+generator = torch.Generator().manual_seed(0)
+RANDOM_NUMEL = 1001   # 4 does not divide it: uneven chunks
+random_grads = torch.randn(4, RANDOM_NUMEL, generator=generator).tolist()
+random_start = torch.randn(RANDOM_NUMEL, generator=generator).tolist()
+random_steps = launch(sharded_step, 4, args=(random_grads, random_start, LR), echo=False)
+print(f"the same with random gradients and parameters, {RANDOM_NUMEL} elements:",
+      bit_for_bit(random_steps))
 """, CHECK),
     md(r"""
-Same parameters, bit for bit, on every rank: the ring all-reduce *is* a reduce-scatter
-followed by an all-gather, so the sharded step adds the same numbers in the same order. What
+Same parameters, bit for bit, on every rank. With the example's values that shows little,
+since every start and every summed gradient is the same; the last line repeats the step with
+random gradients and starting values, and uneven chunks. The equality is no accident: the
+ring all-reduce *is* a reduce-scatter followed by an all-gather, so the sharded step adds the
+same numbers in the same order (chapter 4 checks this for the two collectives alone). What
 changed is who does the work and who holds what: each rank updated one parameter instead of
 four, and an optimizer with state (momentum, Adam's moments) would keep that state for its
 shard only. Chapter 6 measures what that saves.
@@ -380,7 +423,13 @@ shard only. Chapter 6 measures what that saves.
 The panel times the ring reduce-scatter against torch.distributed's on real ranks, for the
 world size and message size you choose. Below it is the default run (4 ranks, 1 MiB). The
 bus bandwidth column uses the factor $\frac{N-1}{N}$ of a reduce-scatter, so it can be
-compared with the link speed whatever $N$ is.
+compared with the link speed whatever $N$ is. For torch on gloo that factor understates the
+traffic: as "While it runs" showed, its reduce-scatter is an all-reduce of the whole tensor,
+which sends twice the bytes of the ring reduce-scatter, and that is why the ring can beat it
+here.
+The shell command's `--iters` is the number of timed calls for large sizes; smaller sizes get
+more, enough to carry a fixed number of bytes (`--min-bytes`), so the table's median can be
+over more calls than `--iters` says.
 """),
     code("""
 collective_panel(Collective.REDUCE_SCATTER, world_size=4)
@@ -400,8 +449,9 @@ leaves `tensor` unchanged.
   messages of an empty chunk; both neighbours will).
 * At step $k$ rank $r$ sends its partial sum of chunk $(r-k-1) \bmod N$ to the right and adds
   the partial sum of chunk $(r-k-2) \bmod N$ that arrives from the left to its own part.
-* Each rank may send at most $\frac{N-1}{N}S$ bytes (plus one element per message when
-  chunks are uneven); the check counts them.
+* Each rank may send at most $N-1$ chunks of $\lceil \text{numel}/N \rceil$ elements: the
+  ring's $\frac{N-1}{N}S$, rounded up to whole chunks when $N$ does not divide numel. The
+  check counts the bytes.
 
 The check runs your function on 1 to 5 real ranks, with tensors that $N$ divides and tensors
 it does not, and names the first thing that is wrong.
@@ -447,7 +497,9 @@ result = check_ring_reduce_scatter(ring_reduce_scatter)
   only once the full gradient is freed; until then a rank holds $S + S/N$, and while the ring
   runs it also holds chunk-sized buffers.
 * ZeRO and FSDP reduce-scatter gradients so that each rank gets exactly the gradient of the
-  shard it owns and updates; an all-gather then puts the updated parameters back together.
+  shard it owns and updates. ZeRO stages 1 and 2 then all-gather the updated parameters on
+  every rank; stage 3 and FSDP keep them sharded and all-gather each unit's parameters when
+  it runs, in forward and again in backward.
 
 Next, chapter 4 looks at that all-gather: the ring's second phase.
 """),

@@ -19,9 +19,9 @@ $$
 
 Nothing is added: the result is as large as all the shards together. Chapter 3 ended with one:
 after each rank had updated the shard of parameters it owns, the ranks swapped the updated
-shards so that every rank held all the parameters again. That is how FSDP works throughout:
-parameters live in shards, and a layer's full weights are all-gathered just before the layer
-runs, then let go.
+shards so that every rank held all the parameters again. FSDP uses it differently: its
+parameters stay in shards, and a layer's full weights are all-gathered just before the layer
+runs, in forward and again in backward, then let go.
 
 This chapter:
 
@@ -44,7 +44,7 @@ from labs.collectives import Collective, Recorder, shard_bounds
 from labs.experiments import TraceSettings, run_ring_trace
 from labs.memory import (
     AllGatherMoment, AllocationTracker, MemoryTimeline, ShardMemorySettings, all_gather_memory,
-    check_held_bytes, describe_allocations, find, memory_table, plot_memory_timeline,
+    describe_allocations, find, memory_table, plot_memory_timeline,
 )
 from labs.viz import format_table, ring_animation, ring_trace_table
 from labs.widgets import collective_panel
@@ -246,18 +246,23 @@ during = timelines[0][1]
 print("storages created inside the all-gather:", describe_allocations(during.allocations))
 """, CHECK),
     md(r"""
-Three differences from "4, 16, 4", each visible in the lines above:
+Compared with "4, 16, 4", the lines above differ in one way, which shows at two moments:
+the rank's own row stays a separate tensor, so while the gathered matrix exists the rank
+holds $N+1$ rows, not $N$.
 
-* After the gather the rank holds its own row **and** the gathered matrix, which contains
-  that row again: $N+1$ rows, not $N$. The shard is a separate tensor, and it must survive
-  the free. (An implementation can avoid the copy by gathering into a buffer whose slice $r$
-  *is* the shard; the timeline would then count that storage once.)
-* `weight` is a view of `gathered` and adds nothing: the table shows no elements for it.
-* While the collective runs, it allocates its output plus whatever receive buffers the
-  pipelined ring of chapter 2 sets aside (the last line lists every storage created inside
-  the call): that is the "allocated inside the call" part. The
-  queries, an activation, stay after the weights are freed; in a real model they are what the
-  next layer consumes.
+* During the call: the only storage the call creates is its output, the size of the whole
+  matrix (the last line). The ring receives every row straight into its place in that
+  output, with no receive buffers of its own, so the rank holds its row plus the output:
+  that is the "allocated inside the call" part.
+* After the call: its own row **and** the gathered matrix, which contains that row again.
+  The shard must survive the free, so it is kept apart. (An implementation can avoid the
+  copy by gathering into a buffer whose slice $r$ *is* the shard; the timeline would then
+  count that storage once.)
+
+Two other things in the lines are not differences. `weight` is a view of `gathered` and adds
+nothing: the table shows no elements for it. And the bytes held in all include the queries,
+an activation, which stay after the borrowed rows are freed; in a real model they are what
+the next layer consumes.
 
 ### Freeing means dropping every reference
 
@@ -299,22 +304,22 @@ print(format_table(["moment (rank 0)", "elements held", "bytes held",
 """, CHECK),
     code("""
 claims = [
-    (AllGatherMoment.BEFORE, lambda n, rank: full * 4 // n,
-     "between gathers a rank holds 147,456 float32 parameters"),
-    (AllGatherMoment.AFTER, lambda n, rank: full * 4,
-     "with the matrix gathered a rank holds 589,824 parameters"),
+    (AllGatherMoment.BEFORE, per_rank, "between gathers a rank holds 147,456 parameters"),
+    (AllGatherMoment.AFTER, full, "with the matrix gathered a rank holds 589,824 parameters"),
 ]
-for moment, expected, claim in claims:
-    verdict = check_held_bytes({4: big}, moment, expected, claim)
-    print(f"{'holds' if verdict.passed else 'does not hold'}: {claim}: {verdict.message}")
+for moment, claimed, claim in claims:
+    held = sorted({find(snaps, moment).held_elements for snaps in big})  # over all 4 ranks
+    verdict = "holds" if held == [claimed] else "does not hold"
+    print(f"{verdict}: {claim}; measured at {moment.value!r}, every rank: "
+          f"{' or '.join(f'{h:,}' for h in held)} parameters")
 """, CHECK),
     md(r"""
 The first line checks the per-rank share between gathers. The second checks "589,824
-during the gather" against what a rank holds once the matrix is gathered: the full matrix
-*plus* its own shard, and inside the call the buffers of the ring come on top of that (the
-table's last column).
-The peak, not the average, decides whether a layer fits; chapter 6 measures it for a whole
-model.
+during the all-gather" against what a rank holds once the matrix is gathered: the full
+matrix *plus* its own shard. The call itself needs no more than that. The only storage it
+creates is its output, which the ring fills in place, so in the table above the rank's total
+during the call (its shard plus what the call allocated) is the same as after it. The peak,
+not the average, decides whether a layer fits; chapter 6 measures it for a whole model.
 
 ## All-reduce = reduce-scatter + all-gather
 
@@ -353,18 +358,27 @@ print(format_table(["numel", "N", "bit-identical to ring_all_reduce (all ranks)"
 """, CHECK),
     md(r"""
 Bit for bit the same, on every rank: the composition adds the same numbers in the same order
-as the all-reduce, because it *is* the all-reduce cut in two. The bytes add up to
-$2\frac{N-1}{N}S$ exactly when $N$ divides the tensor; with uneven chunks a rank can send a
-few elements more than that, when the longer chunks pass through it.
+as the all-reduce, because it *is* the all-reduce cut in two. Whenever $N$ divides the
+tensor, the bytes add up to exactly $2\frac{N-1}{N}S$. With uneven chunks a rank can send a
+few elements more, when the longer chunks pass through it, as most of the 1001-element rows
+show. Not always: with $N = 2$ each rank sends both chunks once, the longer and the shorter,
+so the total is exact.
 
-Cutting it in two is what ZeRO and FSDP exploit: between the halves, each rank holds only
-$1/N$ of the result, and that is when it updates its shard of the parameters (chapter 3).
-The all-gather can then be delayed until the parameters are needed, layer by layer.
+ZeRO stages 1 and 2 cut the all-reduce at this seam: between the halves each rank holds
+only $1/N$ of the summed gradient, and that is when it updates its shard of the parameters
+(chapter 3); the all-gather then carries updated parameters instead of gradients. FSDP
+(ZeRO stage 3) goes further: it keeps the parameters sharded and all-gathers each layer's
+parameters just before they are needed, in forward and again in backward. That is one
+all-gather more per step than the two halves of an all-reduce; chapter 6 measures what each
+sends.
 
 ## Try it
 
 The panel times the ring all-gather against torch.distributed's on real ranks. The size is
-that of the gathered result, $S$, and the bus bandwidth uses the factor $\frac{N-1}{N}$.
+that of the gathered result, $S$, and the bus bandwidth uses the factor $\frac{N-1}{N}$. As
+in chapter 3, the shell command's `--iters` counts the timed calls at large sizes; smaller
+sizes get enough calls to carry a fixed number of bytes (`--min-bytes`), so the table's
+median can be over more calls than `--iters` says.
 """),
     code("""
 collective_panel(Collective.ALL_GATHER, world_size=4)
@@ -380,7 +394,9 @@ a new 1-D tensor of `numel` elements holding the shards in rank order.
 * Allocate the output, copy your shard into its slot, then for $N-1$ steps send chunk
   $(r-k) \bmod N$ to the right and receive chunk $(r-k-1) \bmod N$ from the left, straight
   into its slot.
-* At most $\frac{N-1}{N}S$ bytes sent per rank, $S$ being the size of the result.
+* At most $N-1$ chunks of $\lceil \text{numel}/N \rceil$ elements sent per rank: the ring's
+  $\frac{N-1}{N}S$, $S$ being the size of the result, rounded up to whole chunks when $N$
+  does not divide numel.
 """),
     solution("""
 def ring_all_gather(shard, numel):
@@ -413,7 +429,9 @@ result = check_ring_all_gather(ring_all_gather)
 
 Write `all_reduce(tensor)`: in place, on every rank, `tensor` must end up holding the
 element-wise sum over ranks, computed by **your** reduce-scatter followed by **your**
-all-gather, so each rank sends at most $2\frac{N-1}{N}S$ bytes.
+all-gather, so each rank sends at most $2(N-1)$ chunks of $\lceil \text{numel}/N \rceil$
+elements: the ring all-reduce's $2\frac{N-1}{N}S$, rounded up to whole chunks when $N$ does
+not divide numel.
 
 The all-gather is your `ring_all_gather` from Exercise 4.1 above. The reduce-scatter is your
 `ring_reduce_scatter` from Exercise 3.1, in chapter 3's notebook: paste it into the next cell,
@@ -462,11 +480,14 @@ result = check_composed_all_reduce(all_reduce)
 * It is the second phase of the ring all-reduce: $N-1$ steps, $\frac{N-1}{N}S$ bytes sent and
   received per rank, $S$ being the gathered size; that is the least possible.
 * Measured memory: between gathers a rank holds its shard, $S/N$; once gathered it holds the
-  full tensor and its shard, $S + S/N$, and during the call the collective's buffers on top.
-  Freeing works only when no view of the gathered tensor survives.
+  full tensor and its shard, $S + S/N$. The call needs no more: the ring receives straight
+  into its output, the only storage it creates. Freeing works only when no view of the
+  gathered tensor survives.
 * A reduce-scatter followed by an all-gather is the ring all-reduce, bit for bit, for
-  $2\frac{N-1}{N}S$ bytes per rank. ZeRO and FSDP split the all-reduce at that seam: update
-  the owned shard in between, gather parameters only when a layer needs them.
+  $2\frac{N-1}{N}S$ bytes per rank when $N$ divides the tensor. ZeRO stages 1 and 2 split
+  the all-reduce at that seam and update the owned shard in between. FSDP keeps the
+  parameters sharded and gathers a layer's when it needs them, in forward and again in
+  backward: one all-gather more per step, which chapter 6 measures.
 """),
 ]
 
