@@ -120,9 +120,11 @@ print(per_rank_traffic(Algorithm.NAIVE, world_size=4))
 """, CHECK),
     md(r"""
 Rank 0 receives $(N-1)\cdot S$ and sends $(N-1)\cdot S$, one tensor after another, through
-its one link; every other rank sends and receives a single $S$ and then waits. The root's
-link is the bottleneck: its traffic, and so the all-reduce's time, grows linearly with $N$,
-however fast the other links are.
+its one link; every other rank sends and receives a single $S$ and then waits. On a network,
+where each rank has a link of its own, the root's link is the bottleneck: its traffic, and so
+the all-reduce's time, grows linearly with $N$, however fast the other links are. (On one
+machine the "links" are copies made by the CPUs; the timings further down show what that
+changes.)
 
 ## The whole-tensor ring: correct, and a common mistake
 
@@ -348,9 +350,9 @@ print("claimed 'naive' column = N(N-1):",
       all(naive == n * (n - 1) for n, (naive, _) in claimed.items()))
 print("claimed 'ring' column = the ring's messages per rank, 2(N-1):",
       all(ring == counts(n, Algorithm.RING).messages_sent for n, (_, ring) in claimed.items()))
-print("the naive algorithm sends fewer messages in total than the ring, every N > 2:",
+print("the naive algorithm sends fewer messages in total than the ring, every N:",
       all(counts(n, Algorithm.NAIVE).group_messages < counts(n, Algorithm.RING).group_messages
-          for n in claimed if n > 2))
+          for n in claimed))
 """, CHECK),
     md(r"""
 The comparison goes wrong in three places:
@@ -360,16 +362,18 @@ The comparison goes wrong in three places:
   whole-tensor ring sends.
 * Its "ring" column counts the messages of **one** rank, $2(N-1)$, while the "naive" column
   counts the whole group. Counted the same way, the ring sends $2N(N-1)$ messages, more than
-  the naive algorithm at every $N > 2$.
+  the naive algorithm at every $N$.
 * A ratio of message counts is not a speedup. Messages differ in size (the ring's carry
   $S/N$), many travel at the same time on different links, and each one costs a fixed
   latency on top of its bytes.
 
 What the ring really wins is **bytes on the busiest link**: the naive root moves $(N-1)\cdot S$
 each way, the ring's every link less than $2S$ (left panel of the figure). What it pays is
-**latency**: $2(N-1)$ steps one after the other (right panel), so for small tensors, where
-the fixed cost of a message dominates, fewer and larger messages win. A cost model makes
-this quantitative.
+**latency**: $2(N-1)$ steps one after the other, each with a message's fixed cost. The naive
+root pays as many, since it receives $N-1$ messages in turn and then sends $N-1$ (the right
+panel counts the ones it sends), but recursive doubling needs only $\log_2 N$ rounds. So for
+small tensors, where the fixed cost of a message dominates, fewer and larger messages win. A
+cost model makes this quantitative.
 
 ## A cost model: latency and bandwidth
 
@@ -385,12 +389,14 @@ of the link. Adding received bytes costs $\gamma$ per byte. Along the critical p
 | whole-tensor ring | $(N-1)\,(\alpha + S\beta + S\gamma)$ |
 
 `fit_alpha_beta` measures $\alpha$ and $\beta$ on this machine by timing exchanges between two
-real ranks, each sending $m$ bytes to the other while receiving $m$ (one step of a ring, done
-by `labs.collectives.exchange`, the function the lock-step ring uses), over message sizes
-from 4 B to 4 MiB; and $\gamma$ by timing `torch.add`:
+real ranks, each sending $m$ bytes to the other while receiving $m$ (one step of a ring, made
+by `labs.collectives.exchange`, the same exchange as a step of the lock-step ring), over
+message sizes from 4 B to 4 MiB; and $\gamma$ by timing `torch.add`. So $\beta$ here is the
+cost of a byte that goes out while another comes in, which on one machine is more than a
+one-way byte costs: both directions are copies made by the same CPUs.
 """),
     code("""
-params = fit_alpha_beta(world_size=2)
+params = fit_alpha_beta(world_size=2, backend="gloo")
 print(params.summary())
 print(f"fitted on {params.cores} CPU core(s) with {params.world_size} ranks ({params.backend})")
 """, IGNORE),
@@ -404,7 +410,8 @@ panels divide measured by predicted: 1 means the model is exact.
 model_sizes = [1 << k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB
 model_cases = [CollectiveCase(Collective.ALL_REDUCE, algorithm, size)
                for size in model_sizes for algorithm in Algorithm]
-model_timings = {n: measure_collectives(model_cases, n, iters=5) for n in (4, 2)}
+model_timings = {n: measure_collectives(model_cases, n, iters=5, backend="gloo")
+                 for n in (4, 2)}
 print("every timed call gave the exact sum:",
       all(t.correct for n in model_timings for t in model_timings[n]))
 """, CHECK),
@@ -459,14 +466,53 @@ print(f"the 5 calls of one algorithm at that size differ by up to {spread:.0%}: 
 At two ranks both algorithms send the same bytes, $S$ per rank. They differ only in a
 message latency, which the ring pays twice and recursive doubling once, against additions:
 recursive doubling adds the whole tensor, the ring half of it. So the model's crossover at
-$N=2$ is where $\tfrac{S}{2}\gamma = \alpha$, at $S = 2\alpha/\gamma$: it rests on $\gamma$,
-the smallest of the three coefficients. The two predictions differ by
-$|\tfrac{S}{2}\gamma - \alpha|$, a small part of either when adding is much faster than
-sending ($\gamma \ll \beta$). When that gap is smaller than the spread of the calls (the
-cell above compares them), which of the two "wins" at $N=2$ is decided by the machine's
-noise, not by the algorithm, and the fastest of 5 calls can neither confirm nor refute the
-model there. At four ranks the ring sends $\tfrac{3}{2}S$ per rank against recursive
-doubling's $2S$, and the bytes set them apart.
+$N=2$ is where $\tfrac{S}{2}\gamma = \alpha$, at $S = 2\alpha/\gamma$: it rests on $\alpha$
+and on $\gamma$, the cost of adding a byte. The two predictions differ by
+$|\tfrac{S}{2}\gamma - \alpha|$, small next to the $S\beta$ that both of them carry once $S$
+is large. When that gap is smaller than the spread of the calls (the cell above compares
+them), which of the two "wins" at $N=2$ is decided by the machine's noise, not by the
+algorithm, and the fastest of 5 calls can neither confirm nor refute the model there.
+
+At four ranks the ring sends $\tfrac{3}{2}S$ per rank against recursive doubling's $2S$, so
+the bytes should set them apart once $S$ is well past the crossover. The figures stop at
+4 MiB, close to it; here are the two, and the naive algorithm, at 16 and 64 MiB (fastest of
+5 calls). The last lines list the sizes of the figures at which the naive algorithm was the
+fastest of the three on 4 ranks.
+"""),
+    code("""
+large_sizes = [1 << 24, 1 << 26]  # 16 MiB, 64 MiB
+three = (Algorithm.NAIVE, Algorithm.RING, Algorithm.RECURSIVE_DOUBLING)
+large_cases = [CollectiveCase(Collective.ALL_REDUCE, a, s) for s in large_sizes for a in three]
+large = {n: measure_collectives(large_cases, n, iters=5, backend="gloo") for n in (4, 2)}
+rows, ring_fastest = [], True
+for n in (2, 4):
+    for size in large_sizes:
+        best = {t.case.algorithm: t.summary(Statistic.MIN) for t in large[n]
+                if t.case.size_bytes == size}
+        fastest = min(best, key=best.get)
+        ring_fastest &= fastest is Algorithm.RING
+        rows.append([n, format_size(size), *(f"{best[a] * 1e3:.1f}" for a in three),
+                     fastest.value])
+print(format_table(["N", "size", "naive (ms)", "ring (ms)", "recursive doubling (ms)",
+                    "fastest"], rows))
+print("every call gave the exact sum:", all(t.correct for n in large for t in large[n]))
+print("the ring was the fastest at 16 and 64 MiB on 2 and 4 ranks:", ring_fastest)
+best4 = {(t.case.algorithm, t.case.size_bytes): t.summary(Statistic.MIN)
+         for t in model_timings[4]}
+naive_first = [format_size(s) for s in model_sizes
+               if min(three, key=lambda a: best4[(a, s)]) is Algorithm.NAIVE]
+print("N = 4, 1K to 4M: the naive algorithm was the fastest of the three at:",
+      ", ".join(naive_first) or "none of the sizes")
+""", IGNORE),
+    md(r"""
+Where the naive algorithm is the fastest of the three at 4 ranks, the machine is the
+reason, not the algorithm. Here four ranks share the cores of one machine, and the ring and
+recursive doubling keep all four of them busy at every step, so at every step some rank
+waits for a core. The naive algorithm never has more than two ranks working at once (the
+root and the rank it is receiving from or sending to), and its messages go one way, which
+costs less than the exchanges $\alpha$ and $\beta$ were fitted on. Give every rank its own
+cores and its own link, as on a cluster, and the root's link is the bottleneck the model
+describes; `python -m labs collectives` under `torchrun` measures that across nodes.
 
 Read the figures with the model's blind spots in mind:
 
@@ -475,29 +521,36 @@ Read the figures with the model's blind spots in mind:
   a core delays its neighbours, and nothing in $\alpha + \beta m$ says so. The next section
   measures how much.
 * **Links are shared.** All ranks of a ring send at once, and here every "link" is the same
-  memory bus; the naive root's $N-1$ messages queue on one socket. The model prices each
-  message as if it had the link to itself.
+  memory bus; the naive root takes its $N-1$ messages one after another. The model prices
+  each message as if it had the link to itself.
 * **Small messages.** At a few KiB the time is almost all $\alpha$, and $\alpha$ measured on
   one idle pair of ranks is not what a busy collective sees; timings there are also the
   noisiest.
-* **The library's ring is pipelined** on CPU (segments overlap sending and adding), which the
-  lock-step formula does not describe, and torch's built-in has no formula at all: gloo picks
-  its own algorithm.
+* **Python per step.** Each step of a from-scratch algorithm runs some Python (slicing,
+  posting the messages, waiting, adding), more than the fit's bare exchange does. The model
+  has no term for it, which is one reason why measured / predicted stays above 1 even at
+  $N=2$, where the fit ran on the same pair of ranks.
+* **The library's ring is pipelined** on CPU once a chunk is larger than a segment
+  (`DEFAULT_SEGMENT_BYTES`, 2 MiB): segments overlap sending and adding, which the lock-step
+  formula does not describe. In the figures no chunk is larger than 2 MiB, so there it is not
+  pipelined; at 16 and 64 MiB it is. Torch's built-in is not modelled at all (it is gloo's
+  own ring, cut into segments its own way; more on that below).
 
 The shape still holds: with few ranks and small tensors the algorithm with fewer messages
 wins, and as tensors grow the bytes on the busiest link decide.
 
 ### The parameters depend on the load
 
-$\alpha$ and $\beta$ above were fitted on two ranks, one exchanging pair, every other rank
-idle. In a 4-rank collective every rank sends, receives and adds at the same time. Fitting
+$\alpha$ and $\beta$ above were fitted on two ranks: one pair exchanging, nothing else
+running. In a 4-rank collective every rank sends, receives and adds at the same time. Fitting
 again with all four ranks stepping a ring at once (each sends $m$ bytes to its right
 neighbour while it receives $m$ from its left: `P2PPattern.RING_STEP`) prices a message under
 the load that a collective puts on the machine. The table compares the 4-rank measurements
-with both fits: the geometric mean of measured / predicted over the 7 sizes, and its range.
+with both fits: the geometric mean of measured / predicted over the sizes of the figures,
+and its range.
 """),
     code("""
-busy = fit_alpha_beta(world_size=4, pattern=P2PPattern.RING_STEP)
+busy = fit_alpha_beta(world_size=4, pattern=P2PPattern.RING_STEP, backend="gloo")
 print("2 ranks, one pair exchanging:", params.summary())
 print("4 ranks, all stepping a ring:", busy.summary())
 print(f"busy / alone: alpha x {busy.alpha_s / params.alpha_s:.1f}, "
@@ -527,7 +580,8 @@ works at every step (the ring, recursive doubling, the whole-tensor ring) runs u
 busy fit's load. The naive algorithm does not: while the root receives one tensor after
 another, the other ranks wait, so its load lies somewhere between the two fits. What is
 left of measured / predicted after the busy fit is what the model still leaves out: the
-pipelining, and at small sizes a latency that the fit's straight line does not follow.
+Python of each step, and at small sizes a latency that the fit's straight line does not
+follow.
 
 So $\alpha$ and $\beta$ are constants of a machine *under a given load*, not of the machine.
 A cluster's network behaves the same way, where the load includes the other jobs on its
@@ -559,8 +613,9 @@ What to expect before looking: for CPU tensors gloo's own all-reduce is a ring t
 (`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments of at
 most 1 MiB, two in flight, the addition of one overlapped with the transfer of the next),
 over the same TCP connections that `isend` and `irecv` use here. Same algorithm, same bytes,
-same transport: the two can differ only by what Python adds per message and by how well each
-overlaps sending with adding, so ratios near 1 are the expected result, not a tie by luck.
+same transport: the two differ in how they cut the tensor into segments (the library's ring
+into segments of 2 MiB), in what Python adds per message, and in how well each overlaps
+sending with adding, so ratios near 1 are the expected result, not a tie by luck.
 One setting matters for that: the ranks of a collectives benchmark run with one intra-op
 thread each, as torchrun gives each process by default. gloo adds in a thread of its own and
 never uses them; the ring adds with torch, and with many threads per rank its additions
@@ -587,8 +642,9 @@ print("every benchmarked call gave the exact sum:", all(t.correct for t in bench
 
 The crossover above is the reason production libraries do not use one algorithm for every
 call. NCCL, the library behind `torch.distributed` on NVIDIA GPUs, implements several
-all-reduce algorithms, among them the ring and trees (a tree reduces and broadcasts in a
-number of steps that grows with $\log N$ rather than $N$), and several protocols that trade
+all-reduce algorithms, among them the ring and trees (NCCL's trees span the nodes as two
+binary trees, with a chain of GPUs inside each node, so their depth grows with the logarithm
+of the number of nodes rather than with $N$), and several protocols that trade
 bandwidth for latency. For each call its internal tuning model estimates the time of every
 algorithm and protocol from the message size, the number of ranks and GPUs per node, and the
 bandwidths of the links between them, and picks the fastest; the `NCCL_ALGO` and
@@ -671,10 +727,13 @@ result = check_ring_all_reduce(my_ring_all_reduce)
 * The **ring** (reduce-scatter, then all-gather over $N$ chunks) sends $2\frac{N-1}{N}S$ per
   rank, less than $2S$ at any $N$, and leaves every rank with identical bits; it pays
   $2(N-1)$ message latencies.
-* **Recursive doubling** needs only $\lceil\log_2 N\rceil$ rounds but sends $\log_2 N\cdot S$:
-  it wins on small tensors, the ring on large ones. A fitted $\alpha$-$\beta$ model predicts
+* **Recursive doubling** needs only $\lfloor\log_2 N\rfloor$ rounds (two more messages when
+  $N$ is not a power of two), but its busiest rank sends $\lceil\log_2 N\rceil\cdot S$: it
+  wins on small tensors, the ring on large ones. A fitted $\alpha$-$\beta$ model predicts
   the crossover, and the measurements show where the model is too simple. Its parameters
-  hold for the load they were measured under: fitted with every rank busy, they grow.
+  hold for the load they were measured under: fitted with every rank busy, they grow. With
+  more ranks than cores the cores, not the links, are the bottleneck, which can even let
+  the naive algorithm win.
 * Counting messages is not timing them: the "O(n²) against O(n)" table compares a
   group's count with one rank's, and the real difference is bytes per link against latency.
 * NCCL makes this choice per call, by size and topology, among rings, trees and protocols.
