@@ -600,14 +600,14 @@ prints the same table from ranks that `torchrun` started, across nodes too, wher
 messages cross a real network. On a machine shared with other
 work the timings move from run to run, small sizes most, and on a small machine they also
 move from launch to launch, with the way the ranks happen to share the cores; so the cell
-runs three launches per world size. Within a launch the two algorithms take turns call by
-call (each iteration in the opposite order to the last), so call $i$ of the ring and call $i$
-of torch's met the same load, and each ratio in the `busbw / torch` column is the median of
-those per-call ratios, all launches pooled (so it need not equal the quotient of the two
-`busbw` entries, each the median of its own calls). In the last table the brackets hold the lowest
-and the highest of the same median taken one launch at a time (the pooled one always lies
-between them): a cell whose range straddles 1 says the two are level within what this machine
-can resolve, whatever its first number says.
+runs three launches per world size. Within a launch the two algorithms take turns call by call
+(each iteration in the opposite order to the last), so call $i$ of the ring and call $i$ of
+torch's met the same load, and each ratio in the `busbw / torch` column is the median of those
+per-call ratios, all launches pooled (so it need not equal the quotient of the two `busbw`
+entries, each the median of its own calls). In the last table the brackets hold the lowest and
+the highest of the same median taken one launch at a time (the pooled one always lies between
+them): a cell whose range straddles 1 says the two are level within what this machine can
+resolve, whatever its first number says.
 
 What to expect before looking: for CPU tensors gloo's own all-reduce is a ring too
 (`gloo/allreduce.cc` in the gloo sources: the tensor cut into at least $2N$ segments of at
@@ -642,17 +642,16 @@ print("every benchmarked call gave the exact sum:", all(t.correct for t in bench
 
 The crossover above is the reason production libraries do not use one algorithm for every
 call. NCCL, the library behind `torch.distributed` on NVIDIA GPUs, implements several
-all-reduce algorithms, among them the ring and trees (NCCL's trees span the nodes as two
-binary trees, with a chain of GPUs inside each node, so their depth grows with the logarithm
-of the number of nodes rather than with $N$), and several protocols that trade
+all-reduce algorithms, among them the ring and trees (NCCL's trees span the nodes as two binary
+trees, with a chain of GPUs inside each node, so their depth grows with the logarithm of the
+number of nodes, plus that chain, rather than with $N$), and several protocols that trade
 bandwidth for latency. For each call its internal tuning model estimates the time of every
 algorithm and protocol from the message size, the number of ranks and GPUs per node, and the
-bandwidths of the links between them, and picks the fastest; the `NCCL_ALGO` and
-`NCCL_PROTO` environment variables override the choice. It is the same reasoning as the
-$\alpha$-$\beta$ model here: few steps for small messages, where latency dominates; the
-bandwidth-optimal ring for large ones, where bytes dominate. So "DDP uses ring all-reduce" is
-only sometimes true: which algorithm runs depends on the size of each bucket of gradients
-and on the machine.
+bandwidths of the links between them, and picks the fastest; the `NCCL_ALGO` and `NCCL_PROTO`
+environment variables override the choice. It is the same reasoning as the $\alpha$-$\beta$
+model here: few steps for small messages, where latency dominates; the bandwidth-optimal ring
+for large ones, where bytes dominate. So "DDP uses ring all-reduce" is only sometimes true:
+which algorithm runs depends on the size of each bucket of gradients and on the machine.
 
 ## Try it
 
