@@ -819,21 +819,22 @@ def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence
             return fail(verdict)
     sizes = ", ".join(map(str, plan.world_sizes))
     shapes = f"shapes {_shapes_text(_SHAPES)}"
-    cost = f"no rank sent more than {exercise.collective}'s (N-1)/N·S bytes"
+    cost = (f"sent more than {exercise.collective}'s (N-1)/N·S bytes, S being the "
+            "zero-padded tensor(s) of N·k float32")
     what = {
         ZeroExercise.SHARDED_STEP: (
             f"after each of {STEPS} steps every rank holds exactly the parameters of SGD with "
             f"momentum in one process, and the momentum of its own shard, on {sizes} rank(s), "
-            f"for {shapes}, one at a time, then {_shapes_text(_TOGETHER)} in one call; {cost} "
-            "or kept anything between calls but its momentum shards"),
+            f"for {shapes}, one at a time, then {_shapes_text(_TOGETHER)} in one call; no "
+            f"rank {cost}, or kept anything between calls but its momentum shards"),
         ZeroExercise.FSDP_FORWARD: (
             f"every rank returns exactly F.linear with the full weight and bias on {sizes} "
-            f"rank(s), for Linear{', Linear'.join(map(str, _LINEARS))}; {cost}, and the "
+            f"rank(s), for Linear{', Linear'.join(map(str, _LINEARS))}; no rank {cost}, and the "
             "gathered vector was freed before returning"),
         ZeroExercise.REDUCE_SCATTER_GRAD: (
             "rank r gets the k = ceil(numel / N) elements [r*k, (r+1)*k) of the mean of the "
-            f"zero-padded gradients, grad unchanged, on {sizes} rank(s), for {shapes}; {cost} "
-            "(no all-reduce) or kept anything but its shard"),
+            f"zero-padded gradients, grad unchanged, on {sizes} rank(s), for {shapes}; no "
+            f"rank made an all-reduce, {cost}, or kept anything but its shard"),
     }[exercise]
     return _report(CheckResult(exercise.title, True, f"{what}.{plan.note()}"))
 

@@ -43,7 +43,8 @@ def test_right_sharded_sgd_step_passes_with_the_documented_verdict(capsys):
         "the parameters of SGD with momentum in one process, and the momentum of its own "
         "shard, on 1, 2, 3, 4 rank(s), for shapes (4, 6), (7,), (5, 3), (3,), (1,), one at a "
         "time, then (4, 6), (7,), (1,) in one call; no rank sent more than an all-gather's "
-        "(N-1)/N·S bytes or kept anything between calls but its momentum shards.")
+        "(N-1)/N·S bytes, S being the zero-padded tensor(s) of N·k float32, or kept "
+        "anything between calls but its momentum shards.")
     assert capsys.readouterr().out.startswith("PASS: Exercise 6.1")
 
 
@@ -53,8 +54,9 @@ def test_right_fsdp_linear_forward_passes_with_the_documented_verdict(capsys):
     assert str(result) == (
         "PASS: Exercise 6.2 fsdp_linear_forward: every rank returns exactly F.linear with the "
         "full weight and bias on 1, 2, 3, 4 rank(s), for Linear(1, 1), Linear(3, 2), "
-        "Linear(4, 3), Linear(6, 5); no rank sent more than an all-gather's (N-1)/N·S bytes, "
-        "and the gathered vector was freed before returning.")
+        "Linear(4, 3), Linear(6, 5); no rank sent more than an all-gather's (N-1)/N·S bytes, S "
+        "being the zero-padded tensor(s) of N·k float32, and the gathered vector was freed "
+        "before returning.")
     assert capsys.readouterr().out.startswith("PASS: Exercise 6.2")
 
 
@@ -64,8 +66,9 @@ def test_right_reduce_scatter_grad_passes_with_the_documented_verdict(capsys):
     assert str(result) == (
         "PASS: Exercise 6.3 reduce_scatter_grad: rank r gets the k = ceil(numel / N) elements "
         "[r*k, (r+1)*k) of the mean of the zero-padded gradients, grad unchanged, on 1, 2, 3, "
-        "4 rank(s), for shapes (4, 6), (7,), (5, 3), (3,), (1,); no rank sent more than a "
-        "reduce-scatter's (N-1)/N·S bytes (no all-reduce) or kept anything but its shard.")
+        "4 rank(s), for shapes (4, 6), (7,), (5, 3), (3,), (1,); no rank made an all-reduce, "
+        "sent more than a reduce-scatter's (N-1)/N·S bytes, S being the zero-padded tensor(s) "
+        "of N·k float32, or kept anything but its shard.")
     assert capsys.readouterr().out.startswith("PASS: Exercise 6.3")
 
 
