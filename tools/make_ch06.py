@@ -27,7 +27,8 @@ This chapter builds the three, checks them against one process, and measures on 
   beside the closed forms;
 * the bytes each rank sends: why ZeRO-1 and 2 cost what DDP costs and ZeRO-3 half as much
   again;
-* torch's own FSDP2 (`fully_shard`) on the same model;
+* torch's own FSDP2 (`fully_shard`) beside `labs.fsdp.FSDP`, on a small model with a tied
+  embedding, a frozen layer and a buffer;
 * a calculator that reconciles the 16, 18 and 20 bytes per parameter found in the
   literature, and a recount of a "maximum model size" claim;
 * a panel and three exercises.
@@ -96,7 +97,7 @@ the optimizer updates the shard in place, with state for $k$ elements instead of
 
 Both must train exactly as one process on the whole batch does. Each rank below builds the
 chapter's MLP from a different seed (the optimizer broadcasts rank 0's values), trains three
-Adam steps on its quarter of one batch, and is compared with a single process:
+Adam steps on its share, $1/N$, of one batch, and is compared with a single process:
 """),
     code("""
 SETTINGS = StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
@@ -197,25 +198,30 @@ print(format_table(["collectives", "N", "max |rank - one process|", "same?"], ro
 """, CHECK),
     md(r"""
 `compute_dtype=torch.bfloat16` gathers, computes and reduce-scatters in bfloat16 while the
-shards, and so the optimizer, stay fp32 (tested within a stated tolerance: bfloat16 keeps 8
-bits of mantissa). `reduce_dtype=torch.float32` (the `reduce_dtype` of torch's
-`MixedPrecisionPolicy`) sums the ranks' bfloat16 gradients in fp32 instead, for twice the
-reduce-scatter's bytes.
+shards, and so the optimizer, stay fp32 (tested within a stated tolerance: bfloat16 stores 7
+mantissa bits, 8 bits of precision with the implicit leading bit).
+`reduce_dtype=torch.float32` (the `reduce_dtype` of torch's `MixedPrecisionPolicy`) sums the
+ranks' bfloat16 gradients in fp32 instead, for twice the reduce-scatter's bytes.
 
 ## What each rank holds, measured
 
-`labs.zero_experiments.measure_memory` trains the MLP (8 layers, 33 280 parameters) with Adam
-under each strategy and records, at every moment the strategy exposes (after forward, at each
-gather, free and reduce-scatter, after backward, after the step), the bytes of every tensor
-storage rank 0 holds: parameters, gradients and optimizer state (labs.memory counts each
-storage once, at its size at that moment, so a freed full vector counts 0). Divided by the
-number of parameters (`python -m labs zero` prints this table and the traffic table below
-from a shell, or from ranks that `torchrun` started on a GPU node, with `--width` and
-`--layers` for a larger model):
+`labs.zero_experiments.measure_memory` trains the MLP of `SETTINGS` ($P$ parameters, printed
+below) with Adam under each strategy and records, at every moment the strategy exposes
+(after forward, at each gather, free and reduce-scatter, after backward, after the step),
+the bytes of every tensor storage rank 0 holds: parameters, gradients, optimizer state and
+communication buffers (labs.memory counts each storage once, at its size at that moment, so a
+freed full vector counts 0). Activations are not counted. The *peak* is the moment at which
+parameters + gradients + optimizer state are largest: communication buffers are left out of
+it, both DDP's gradient buckets (so DDP's peak line in the figure sits below its after-step
+bars, which include them) and the receive buffer of FSDP's all-to-all (see the traffic
+section). Divided by the number of parameters (`python -m labs zero` prints this table and
+the traffic table below from a shell, or from ranks that `torchrun` started on a GPU node,
+with `--width` and `--layers` for a larger model):
 """),
     code("""
 WORLD_SIZES = (1, 2, 4, 8)
 reports = measure_memory(WORLD_SIZES, SETTINGS)
+print(f"P = {reports[(Strategy.DDP, 1)].parameters:,} parameters; bytes per parameter, rank 0:")
 print(memory_table(reports))
 """, CHECK),
     code("""
@@ -228,12 +234,21 @@ Reading the table:
 * **DDP** holds $4 + 4 + 8 = 16$ bytes per parameter at any world size, plus the 4 of its
   gradient buckets (the gray bars; torch's `gradient_as_bucket_view=True` saves them).
 * **ZeRO-1** divides the optimizer state by $N$. Its peak is after backward: full gradients
-  exist until the step reduce-scatters them ($4 + 4 + 8/N$).
-* **ZeRO-2** also keeps only a shard of each gradient. Its peak is $4 + 4/N + 8/N$ plus one
-  full gradient in flight (the largest layer's).
+  exist until the step reduce-scatters them, $4 + 4 + 8/N$, which is its closed form. The
+  step then keeps only the gradient's shard and sets `param.grad = None`, so after the step
+  ZeRO-1 holds what ZeRO-2 holds.
+* **ZeRO-2** also keeps only a shard of each gradient: $4 + 4/N + 8/N$ after the step, its
+  closed form. Its hook runs per parameter, so its peak adds one parameter's full gradient
+  while that gradient is reduce-scattered, in place of its shard: about $(1 - 1/N)$ times one
+  weight's gradient (in the table, at `0.weight`).
 * **FSDP** divides everything by $N$; its peak adds what is gathered at once: the unit being
   computed, the next one being prefetched and the gradient whose reduce-scatter is in flight.
-  That is why a model is cut into many small units, and why that costs more messages.
+  That is why a model is cut into many small units, and why that costs more messages. Its
+  closed form, $16/N$, is again what it holds after the step.
+
+The labels name modules by their index in the `nn.Sequential`: its Linear layers sit at the
+even indices, each followed by a ReLU, so `gradient 2` is the second Linear layer's unit and
+`0.weight` the first layer's weight.
 
 The moments of one FSDP step on 4 ranks, for rank 0:
 """),
@@ -259,7 +274,11 @@ ZeRO-1 and 2 send exactly what DDP sends: a ring all-reduce *is* a reduce-scatte
 an all-gather (chapter 4), and they only move the all-gather to after the optimizer step,
 where it carries updated parameters instead of gradients. ZeRO-3 sends half as much again,
 $3\frac{N-1}{N}S$: the parameters are all-gathered twice, once for forward and once for
-backward, because they were freed in between. That is the price of holding $1/N$ of them.
+backward, because `labs.fsdp` frees them in between (torch's `reshard_after_forward=True`,
+FSDP1's `FULL_SHARD`). That is the price of holding $1/N$ of them. Keeping a unit gathered
+from its forward to its backward (`reshard_after_forward=False` in FSDP2, `SHARD_GRAD_OP` in
+FSDP1) skips the second all-gather and sends $2\frac{N-1}{N}S$, like DDP, for the memory of
+full parameters between forward and backward.
 
 (gloo has no reduce-scatter of its own: torch's `reduce_scatter_tensor` on gloo is an
 all-reduce followed by a copy, twice the bytes. So when `labs.fsdp.FSDP` runs on gloo with
@@ -276,12 +295,14 @@ print(why)
 """, IGNORE),
     md(r"""
 `torch.distributed.fsdp.fully_shard` does ZeRO-3 with the same lifecycle, but shards each
-parameter separately along its first dimension (a `DTensor`). The comparison below trains a
-small model with awkward parts (an embedding tied to the output layer, a frozen layer, a
-buffer, rows that 4 does not divide) with `labs.fsdp.FSDP` and with `fully_shard`, on 2 and
-4 ranks, against one process. Before wrapping with `fully_shard` the ranks broadcast rank 0's
-values: `fully_shard` does not, and ranks built from different seeds would otherwise train a
-model stitched from their different initial values.
+parameter separately along its first dimension (a `DTensor`). (`labs.fsdp`'s one flat vector
+per unit is the design of torch's first FSDP, its `FlatParameter`; FSDP2 replaced it with
+per-parameter sharding.) The comparison below trains a small model with awkward parts (an
+embedding tied to the output layer, a frozen layer, a buffer, rows that 4 does not divide),
+not the MLP above, with `labs.fsdp.FSDP` and with `fully_shard`, on 2 and 4 ranks, against
+one process. Before wrapping with `fully_shard` the ranks broadcast rank 0's values:
+`fully_shard` does not, and ranks built from different seeds would otherwise train a model
+stitched from their different initial values.
 """),
     code("""
 compare = CompareSettings()
@@ -297,8 +318,8 @@ for n, per_rank in runs.items():
 print(format_table(["N", "wrapper", "max |rank - one process| over the steps"], rows))
 """, CHECK),
     md(r"""
-Bytes held after the last step (rank 0, and rank 3, which holds the short shards of
-`fully_shard`):
+Bytes held after the last step (rank 0, and rank 3, whose `fully_shard` shards have fewer
+rows, or none):
 """),
     code("""
 print(held_table(one_process, runs, ranks=(0, 3)))
@@ -307,55 +328,69 @@ print(held_table(one_process, runs, ranks=(0, 3)))
 Where they differ, and why:
 
 * `labs.fsdp` keeps the frozen layer whole on every rank; `fully_shard` shards it too.
-* `fully_shard` splits rows with `torch.chunk`: when $N$ does not divide the rows, the last
-  ranks hold fewer rows (or none), so their Adam state is smaller; `labs.fsdp` pads a whole
-  unit's flat vector, so every rank holds the same.
-* The peaks include what is gathered during the step; `fully_shard` gathers into separate
-  full-size tensors, so even on one rank its peak is above one process's.
+* Both pad. `fully_shard` splits each parameter's rows with `torch.chunk`: when $N$ does not
+  divide the rows, the last ranks own fewer rows (or none), but their local shards, and the
+  gradients, are stored padded to a full chunk, so rank 3 holds as many parameter and
+  gradient bytes as rank 0. Adam's state is made from the unpadded shard, so rank 3 holds
+  less of it. `labs.fsdp` pads a whole unit's flat vector: every rank holds the same.
+* "Peak during step" is another peak than the one of the tables above: every storage alive
+  at once during the step (`StoragePeak`), activations and temporaries included.
+  In the table above `fully_shard`'s is the higher (it moves a little from run to run with
+  the timing of gloo's asynchronous collectives). A likely part of the difference:
+  `apply_fully_shard` leaves `reshard_after_forward` at its default, under which this torch
+  does not reshard the root module after forward, so the root group (here the tied embedding
+  and the frozen layer) stays gathered from forward to backward.
 
 ## The arithmetic: 16, 18 or 20 bytes per parameter?
 
 Texts on large-model training quote 16, 18 or 20 bytes per parameter for Adam. All three are
-right, for different precision recipes:
+right, for different precision recipes (`labs.zero_experiments.Recipe`):
 
-| recipe | parameters | gradients | fp32 master + Adam m, v | total |
-|---|---|---|---|---|
-| fp32 everywhere | 4 | 4 | 0 + 4 + 4 | 16 |
-| bf16/fp16 with fp32 master (the ZeRO paper's count, $2 + 2 + K$, $K = 12$) | 2 | 2 | 4 + 4 + 4 | 16 |
-| bf16 with gradients accumulated in fp32 | 2 | 4 | 12 | 18 |
-| bf16 gradients *and* an fp32 accumulation buffer | 2 | 2 + 4 | 12 | 20 |
+* fp32 everywhere: parameters, gradients, Adam's m and v;
+* bf16 (or fp16) parameters and gradients, with an fp32 master copy of the parameters for
+  the optimizer: the ZeRO paper's count, $2 + 2 + K$ with $K = 12$;
+* the same with the gradients accumulated in fp32;
+* bf16 gradients *and* an fp32 accumulation buffer.
 
-`labs.zero_experiments.bytes_per_parameter(recipe, stage, N)` computes them, and each stage
-divides one more column by $N$ (stage 1 the last, stage 2 the gradients, stage 3 the
-parameters). Activations, buffers and what FSDP gathers at once are not in these numbers; the
-measurements above show what the last of those adds.
+`labs.zero_experiments.bytes_per_parameter(recipe, stage, N)` counts the bytes of each kind,
+and each stage divides one more kind by $N$ (stage 1 the optimizer state with the master
+copy, stage 2 the gradients, stage 3 the parameters). Below, each recipe's bytes by kind
+under DDP, then the totals of every stage at $N = 8$. Activations, buffers and what FSDP
+gathers at once are not in these numbers; the measurements above show what the last of
+those adds.
 """),
     code("""
-rows = [[recipe.value, *(f"{bytes_per_parameter(recipe, stage, 8).total:g}"
-                        for stage in range(4))] for recipe in Recipe]
-print(format_table(["recipe (N = 8)", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], rows))
+rows = []
+for recipe in Recipe:
+    ddp = bytes_per_parameter(recipe, 0, 1)
+    rows.append([recipe.value, *(f"{b:g}" for b in (ddp.parameters, ddp.gradients, ddp.optimizer)),
+                 *(f"{bytes_per_parameter(recipe, stage, 8).total:g}" for stage in range(4))])
+print(format_table(["recipe", "params", "grads", "master, m, v", "DDP", "ZeRO-1 (N = 8)",
+                    "ZeRO-2", "ZeRO-3"], rows))
 """, CHECK),
     md(r"""
 ### "DDP: ~2 B parameters; FSDP: ~8 B" on four 8 GB GPUs?
 
-The reduce-scatter source text this course started from estimates the largest model as
-`GPU_memory / 4` under DDP and `GPU_memory * num_GPUs / 4` with FSDP, "2 B" and "8 B"
-parameters on four 8 GB GPUs. Dividing by 4 counts only the fp32 parameters. With Adam's
-training state, and nothing yet for activations:
+A common estimate puts the largest model at `GPU_memory / 4` parameters under DDP and
+`GPU_memory * num_GPUs / 4` with FSDP: "2 B" and "8 B" parameters on four 8 GB GPUs.
+Dividing by 4 counts only the fp32 parameters. With Adam's training state, and nothing yet
+for activations:
 """),
     code("""
-gpu = 8e9
+gpu, n = 8e9, 4
 rows = []
 for recipe in (Recipe.FP32, Recipe.MIXED_BOTH_GRADS):
     for strategy in (Strategy.DDP, Strategy.ZERO3):
-        most = max_parameters(gpu, recipe, strategy.stage, 4)
-        rows.append([recipe.value, strategy.value, f"{most / 1e9:.2f} B"])
-print(format_table(["recipe", "strategy", "largest model on 4 x 8 GB (model state only)"],
-                   rows))
+        most = max_parameters(gpu, recipe, strategy.stage, n)
+        rule = gpu * (n if strategy is Strategy.ZERO3 else 1) / 4   # "GPU memory / 4"
+        rows.append([recipe.value, strategy.value, f"{most / 1e9:.2f} B", f"{rule / 1e9:.2f} B",
+                     f"{rule / most:.1f}"])
+print(format_table(["recipe", "strategy", "fits on 4 x 8 GB (model state only)", "rule",
+                    "rule / fits"], rows))
 """, CHECK),
     md(r"""
-Four times smaller than the text says: 0.5 B parameters under DDP, 2 B with FSDP on four
-GPUs, before a single activation is stored. The factor of $N$ between the two is right.
+The rule overestimates by the factor in the last column, before a single activation is
+stored. The factor of $N$ between DDP and FSDP is right.
 
 ### The calculator
 
@@ -429,9 +464,9 @@ def fsdp_linear_forward(shard, in_features, out_features, x):
     n_weight = out_features * in_features
     weight = full[:n_weight].view(out_features, in_features)
     bias = full[n_weight:n_weight + out_features]
-    out = x @ weight.T + bias
-    del full, weight, bias                           # reshard: free the gathered parameters
-    return out
+    out = x @ weight.T + bias                        # a new tensor, not a view of full
+    full.untyped_storage().resize_(0)                # free the gathered vector, even if views
+    return out                                       # of it live on (a `del` would not)
 """, "6.2"),
     check("""
 result = check_fsdp_linear_forward(fsdp_linear_forward)
@@ -466,8 +501,9 @@ result = check_reduce_scatter_grad(reduce_scatter_grad)
   ZeRO-1 $8 + 8/N$ at its peak; ZeRO-2 $4 + 12/N$ plus a gradient in flight; FSDP $16/N$
   plus the units it has gathered.
 * ZeRO-1 and 2 send what DDP sends, $2\frac{N-1}{N}S$ per rank: an all-reduce is a
-  reduce-scatter and an all-gather. FSDP sends $3\frac{N-1}{N}S$: it gathers the
-  parameters again for backward.
+  reduce-scatter and an all-gather. FSDP sends $3\frac{N-1}{N}S$ when it frees the
+  parameters after forward, as `labs.fsdp` does, and gathers them again for backward;
+  keeping them until backward costs $2\frac{N-1}{N}S$.
 * FSDP gathers a unit before its forward and backward and frees it after, through storage
   that autograd's saved views share; a prefetch overlaps the next unit's gather with this
   one's compute.
@@ -476,8 +512,8 @@ result = check_reduce_scatter_grad(reduce_scatter_grad)
 * 16, 18 and 20 bytes per parameter are three precision recipes; "GPU memory / 4" counts the
   parameters only.
 
-`python -m labs.bench fsdp` measures a 10.5 M-parameter model: FSDP's peak against DDP's at
-world size 4, and their step times at world size 2.
+`python -m labs.bench fsdp` measures a larger MLP (`--width`, `--layers`): FSDP's peak against
+DDP's, and their step times.
 """),
 ]
 
