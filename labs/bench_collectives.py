@@ -48,6 +48,7 @@ from labs.timing import (
     measure_collectives,
     parse_dtype,
     parse_size,
+    per_launch_medians,
     timing_from_record,
 )
 
@@ -293,10 +294,7 @@ def launch_ratios(timing: CollectiveTiming,
     if reference is None or timing.case.algorithm is Algorithm.TORCH or timing.launches < 2:
         return None
     paired = call_ratios(timing, reference)
-    if paired is None:
-        return None
-    per = len(paired) // timing.launches
-    return [statistics.median(paired[i * per:(i + 1) * per]) for i in range(timing.launches)]
+    return None if paired is None else per_launch_medians(paired, timing.launches)
 
 
 def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:

@@ -176,6 +176,13 @@ class CollectiveCase:
         return "ring"
 
 
+def per_launch_medians(values: Sequence[float], launches: int) -> list[float]:
+    """The median of each of ``launches`` equal, consecutive parts of ``values`` (iterations
+    of several launches, pooled one launch after the other)."""
+    per = len(values) // launches
+    return [statistics.median(values[i * per:(i + 1) * per]) for i in range(launches)]
+
+
 @dataclass(frozen=True)
 class CollectiveTiming:
     """The measurement of one :class:`CollectiveCase` at one world size.
@@ -196,9 +203,7 @@ class CollectiveTiming:
 
     def launch_medians(self) -> list[float]:
         """The median of each launch's iterations."""
-        per = len(self.all_seconds) // self.launches
-        return [statistics.median(self.all_seconds[i * per:(i + 1) * per])
-                for i in range(self.launches)]
+        return per_launch_medians(self.all_seconds, self.launches)
 
     def summary(self, statistic: Statistic) -> float:
         """The median (= ``seconds``) or the minimum over iterations."""
