@@ -3,10 +3,10 @@
     python -m labs toy --world-size 4 --grads 0.1 -0.2 0.4 -0.1
     torchrun --nproc_per_node=4 -m labs toy --grads 0.1 -0.2 0.4 -0.1
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 \\
-        --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 -m labs grads
+        --master_addr=HOST --master_port=29500 -m labs grads
     python -m labs collectives --world-size 4 --collectives all-reduce --sizes 1M 16M
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=1 \\
-        --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 -m labs collectives --sizes 64M
+        --master_addr=HOST --master_port=29500 -m labs collectives --sizes 64M
     python -m labs ddp --world-size 2 --steps 60 --wrapper ours
     python -m labs ddp --world-size 2 --steps 20 --checkpoint run.pt --checkpoint-every 10
     python -m labs ddp --world-size 2 --steps 40 --checkpoint run.pt --resume
@@ -32,7 +32,7 @@ from labs.ddp_experiments import StepSettings
 from labs.launch import launch, run_torchrun, under_torchrun
 from labs.timing import time_collectives
 from labs.toy_allreduce import (
-    SEED_SENTENCES,
+    EXAMPLE_SENTENCES,
     ToyAllReduceConfig,
     data_parallel_gradients,
     full_batch_gradients,
@@ -65,10 +65,11 @@ def _toy(opts: argparse.Namespace, world_size: int) -> None:
 
 
 def _grads(opts: argparse.Namespace, world_size: int) -> None:
-    results = _run(data_parallel_gradients, world_size, (SEED_SENTENCES, opts.seed), opts.backend)
+    results = _run(data_parallel_gradients, world_size, (EXAMPLE_SENTENCES, opts.seed),
+                   opts.backend)
     if results is None:
         return
-    reference = full_batch_gradients(SEED_SENTENCES, opts.seed)
+    reference = full_batch_gradients(EXAMPLE_SENTENCES, opts.seed)
     rows = [
         [r.rank, len(r.sentences), r.loss, max_abs_difference(r.averaged, reference)]
         for r in results
