@@ -28,17 +28,17 @@ from torch import nn
 
 from labs.launch import rank_device
 
-#: The per-rank gradients of ``W_query[0, 0]`` in the seed story (ranks 0..3).
-SEED_GRADIENTS: tuple[float, ...] = (0.1, -0.2, 0.4, -0.1)
-#: The text each of the four ranks trains on in the seed story.
-SEED_BATCHES: tuple[tuple[str, str], ...] = (
+#: The per-rank gradients of ``W_query[0, 0]`` in chapter 1's example (ranks 0..3).
+EXAMPLE_GRADIENTS: tuple[float, ...] = (0.1, -0.2, 0.4, -0.1)
+#: The text each of the four ranks trains on in chapter 1's example.
+EXAMPLE_BATCHES: tuple[tuple[str, str], ...] = (
     ("The cat sat", "Dogs are fun"),
     ("I love pizza", "Weather is nice"),
     ("Python rocks", "AI is amazing"),
     ("Hello world", "Coding is cool"),
 )
 #: All eight sentences, in rank order.
-SEED_SENTENCES: tuple[str, ...] = tuple(s for batch in SEED_BATCHES for s in batch)
+EXAMPLE_SENTENCES: tuple[str, ...] = tuple(s for batch in EXAMPLE_BATCHES for s in batch)
 
 
 # --- the toy all-reduce ------------------------------------------------------------------------
@@ -106,8 +106,8 @@ def toy_all_reduce_step(rank: int, world_size: int, config: ToyAllReduceConfig) 
 
 # --- a tiny language model ---------------------------------------------------------------------
 
-#: The characters of the seed sentences; the model's vocabulary.
-VOCAB: tuple[str, ...] = tuple(sorted(set("".join(SEED_SENTENCES))))
+#: The characters of the example sentences; the model's vocabulary.
+VOCAB: tuple[str, ...] = tuple(sorted(set("".join(EXAMPLE_SENTENCES))))
 
 
 class BigramLM(nn.Module):

@@ -35,10 +35,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP
 from labs.launch import rank_device
-from labs.toy_allreduce import SEED_SENTENCES
+from labs.toy_allreduce import EXAMPLE_SENTENCES
 
 #: The training text: the seed sentences, one per line (the newline marks where one ends).
-TEXT: str = "".join(sentence + "\n" for sentence in SEED_SENTENCES)
+TEXT: str = "".join(sentence + "\n" for sentence in EXAMPLE_SENTENCES)
 #: Its characters, sorted: the model's vocabulary (built like ``toy_allreduce.VOCAB``).
 CHARS: tuple[str, ...] = tuple(sorted(set(TEXT)))
 

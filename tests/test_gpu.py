@@ -19,8 +19,8 @@ from labs.ddp_experiments import StepSettings, mlp
 from labs.fsdp import FSDP
 from labs.memory import ShardMemorySettings, all_gather_memory, reduce_scatter_memory
 from labs.toy_allreduce import (
-    SEED_GRADIENTS,
-    SEED_SENTENCES,
+    EXAMPLE_GRADIENTS,
+    EXAMPLE_SENTENCES,
     ToyAllReduceConfig,
     data_parallel_gradients,
     full_batch_gradients,
@@ -97,13 +97,13 @@ def test_gloo_refuses_cuda_tensors_for_send_recv_and_its_own_all_reduce_still_wo
 
 
 def test_chapter_1_labs_give_the_cpu_answer_on_the_gpus():
-    config = ToyAllReduceConfig(grads=SEED_GRADIENTS[:gpus()], param=0.5, lr=0.001)
+    config = ToyAllReduceConfig(grads=EXAMPLE_GRADIENTS[:gpus()], param=0.5, lr=0.001)
     nccl, gloo = on_both(toy_all_reduce_step, config)
     for a, b in zip(nccl, gloo, strict=True):
         assert a.averaged == pytest.approx(b.averaged, abs=1e-7)
         assert a.param_after == pytest.approx(b.param_after, abs=1e-7)
-    reference = full_batch_gradients(SEED_SENTENCES)
-    for rank in launch(data_parallel_gradients, gpus(), args=(SEED_SENTENCES,),
+    reference = full_batch_gradients(EXAMPLE_SENTENCES)
+    for rank in launch(data_parallel_gradients, gpus(), args=(EXAMPLE_SENTENCES,),
                        backend="nccl", echo=False, timeout=180):
         assert max_abs_difference(rank.averaged, reference) < 1e-5
 

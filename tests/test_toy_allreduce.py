@@ -9,8 +9,8 @@ import torch
 
 from labs import launch
 from labs.toy_allreduce import (
-    SEED_GRADIENTS,
-    SEED_SENTENCES,
+    EXAMPLE_GRADIENTS,
+    EXAMPLE_SENTENCES,
     ToyAllReduceConfig,
     data_parallel_gradients,
     full_batch_gradients,
@@ -34,7 +34,7 @@ def test_toy_step_leaves_every_rank_with_the_same_parameter(world_size):
 
 
 def test_seed_story_numbers():
-    records = launch(toy_all_reduce_step, 4, args=(ToyAllReduceConfig(grads=SEED_GRADIENTS),),
+    records = launch(toy_all_reduce_step, 4, args=(ToyAllReduceConfig(grads=EXAMPLE_GRADIENTS),),
                      echo=False)
     assert records[0].summed == pytest.approx(0.2, abs=1e-7)
     assert records[0].param_after == pytest.approx(0.49995, abs=1e-7)
@@ -52,15 +52,15 @@ def test_drawn_gradients_depend_only_on_the_seed():
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_shards_cover_every_sentence_once(world_size):
-    shards = [shard_sentences(SEED_SENTENCES, r, world_size) for r in range(world_size)]
-    assert [s for shard in shards for s in shard] == list(SEED_SENTENCES)
+    shards = [shard_sentences(EXAMPLE_SENTENCES, r, world_size) for r in range(world_size)]
+    assert [s for shard in shards for s in shard] == list(EXAMPLE_SENTENCES)
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_averaged_gradients_equal_full_batch_when_batches_are_even(world_size):
-    ranks = launch(data_parallel_gradients, world_size, args=(SEED_SENTENCES,), echo=False)
-    reference = full_batch_gradients(SEED_SENTENCES)
+    ranks = launch(data_parallel_gradients, world_size, args=(EXAMPLE_SENTENCES,), echo=False)
+    reference = full_batch_gradients(EXAMPLE_SENTENCES)
     for r in ranks:
         for name, grad in r.averaged.items():
             torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-6)
@@ -68,8 +68,8 @@ def test_averaged_gradients_equal_full_batch_when_batches_are_even(world_size):
 
 
 def test_averaged_gradients_differ_when_batches_are_uneven():
-    ranks = launch(data_parallel_gradients, 3, args=(SEED_SENTENCES,), echo=False)
-    reference = full_batch_gradients(SEED_SENTENCES)
+    ranks = launch(data_parallel_gradients, 3, args=(EXAMPLE_SENTENCES,), echo=False)
+    reference = full_batch_gradients(EXAMPLE_SENTENCES)
     assert max_abs_difference(ranks[0].averaged, reference) > 1e-3
 
 

@@ -68,9 +68,10 @@ python -m labs.grading release handout/
 ```
 
 writes one notebook per chapter with exercises. Outputs are cleared, and each solution cell
-keeps the signatures of what it defines and raises `NotImplementedError`. Everything else,
-tags included, stays as it is, and the copy records which chapter it came from, so a learner
-may rename the file. The command refuses to overwrite an earlier handout unless given
+keeps the signatures of what it defines and raises `NotImplementedError`. The book-only parts
+go too: a solution cell's `hide-input` tag and display metadata, and the saved widget state.
+Everything else, the other tags included, stays as it is, and the copy records which chapter
+it came from, so a learner may rename the file. The command refuses to overwrite an earlier handout unless given
 `--force`.
 """),
     code("""

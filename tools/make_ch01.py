@@ -36,7 +36,7 @@ from IPython.display import Code, display
 from labs import RankError, launch, rank_device
 from labs.checks import check_average_gradients
 from labs.toy_allreduce import (
-    SEED_GRADIENTS, SEED_SENTENCES, ToyAllReduceConfig, batch_loss, data_parallel_gradients,
+    EXAMPLE_GRADIENTS, EXAMPLE_SENTENCES, ToyAllReduceConfig, batch_loss, data_parallel_gradients,
     full_batch_gradients, gradients, make_model, max_abs_difference, shard_sentences,
     toy_all_reduce_step,
 )
@@ -71,11 +71,10 @@ rank's own GPU under NCCL; the same cells then run on a laptop and on a GPU box.
 
 ## Four ranks, one gradient
 
-A scenario often used to introduce all-reduce: four ranks hold the gradient of the same
-weight, `W_query[0, 0]`, computed on different text, so the values differ:
+Four ranks hold the gradient of the same weight, `W_query[0, 0]`, computed on different text, so the values differ:
 """),
     code("""
-print(format_table(["rank", "gradient"], list(enumerate(SEED_GRADIENTS))))
+print(format_table(["rank", "gradient"], list(enumerate(EXAMPLE_GRADIENTS))))
 """, CHECK),
     md(r"""
 The ranks want the mean gradient $\bar g = \frac{1}{N}\sum_{r=0}^{N-1} g_r$ and then one SGD
@@ -86,7 +85,7 @@ is everything one rank does:
 display(Code(inspect.getsource(toy_all_reduce_step), language="python"))
 """, ["hide-output"]),
     code("""
-config = ToyAllReduceConfig(grads=SEED_GRADIENTS, param=0.5, lr=0.001)
+config = ToyAllReduceConfig(grads=EXAMPLE_GRADIENTS, param=0.5, lr=0.001)
 records = launch(toy_all_reduce_step, world_size=4, args=(config,))
 print(toy_table(records))
 """, CHECK),
@@ -106,7 +105,7 @@ hold float32 tensors, and none of 0.1, 0.2, 0.4 or 0.49995 is exactly representa
 binary. Exact decimal arithmetic beside what the ranks computed:
 """),
     code("""
-exact = [fractions.Fraction(str(g)) for g in SEED_GRADIENTS]
+exact = [fractions.Fraction(str(g)) for g in EXAMPLE_GRADIENTS]
 exact_sum = sum(exact)
 exact_mean = exact_sum / 4
 exact_param = fractions.Fraction("0.5") - fractions.Fraction("0.001") * exact_mean
@@ -125,17 +124,18 @@ print(format_table(["quantity", "exact", "float32 on the ranks", "difference"], 
 The differences are float32 rounding (a float32 carries about 7 significant decimal digits).
 They are harmless here, but they are why distributed results are compared with a tolerance,
 and why the *order* in which an all-reduce adds numbers matters: change the order and the
-last bits can change. What matters for training is that every rank ends with the same bits,
-which the all-reduce guarantees.
+last bits can change. What matters for training is that every rank ends with the same bits.
+The API does not promise that, but gloo's and NCCL's algorithms reduce each element once and
+then copy the result to every rank, so the ranks agree bit for bit; the table above shows it.
 
 ### What "all-reduce" does and does not do
 
-Descriptions of this scenario often list the steps as "sum, average, broadcast". That is
-not how the collective works:
+The steps are easy to list as "sum, average, broadcast". The collective is not used that way:
 
-* `dist.all_reduce(t)` is **one** collective. When it returns, every rank already holds the
-  result; there is no separate broadcast step (chapter 2 shows how the ring algorithm gets
-  the sum everywhere at once).
+* `dist.all_reduce(t)` is **one** call. When it returns, every rank already holds the result;
+  the caller writes no broadcast. Inside, algorithms differ: the simplest reduces to one rank
+  and broadcasts from it, the ring reduce-scatters and then all-gathers (chapter 2 builds and
+  measures both).
 * With `op=SUM` it sums; the average is our division by the world size. Some backends also
   offer `ReduceOp.AVG`. Whether this one does, and whether it gives the same bits:
 """),
@@ -146,14 +146,14 @@ def all_reduce_avg(rank, world_size, grads):
     return grad.item()
 
 try:
-    averaged = launch(all_reduce_avg, world_size=4, args=(SEED_GRADIENTS,), echo=False)
+    averaged = launch(all_reduce_avg, world_size=4, args=(EXAMPLE_GRADIENTS,), echo=False)
     same = all(a == r.averaged for a, r in zip(averaged, records))
     print(f"ReduceOp.AVG works on {averaged.backend.value}; same value as SUM then divide: {same}")
 except RankError as err:
     print(f"ReduceOp.AVG is not available here ({err.exc_type}); use SUM and divide.")
 """),
     md(r"""
-One more claim to weigh: that four ranks make training "4x faster". Four ranks do process
+Do four ranks make training four times faster? Four ranks do process
 four batches per step, but each step now also pays for the all-reduce, which grows with the
 model. Chapters 2 and 5 measure that cost instead of assuming it away.
 
@@ -165,7 +165,7 @@ on its own two sentences. The loss of one sentence is the mean next-character cr
 a rank's loss is the mean over its sentences.
 """),
     code("""
-rows = [[rank, " | ".join(shard_sentences(SEED_SENTENCES, rank, 4))] for rank in range(4)]
+rows = [[rank, " | ".join(shard_sentences(EXAMPLE_SENTENCES, rank, 4))] for rank in range(4)]
 print(format_table(["rank", "its sentences"], rows))
 """, CHECK),
     md(r"""
@@ -182,8 +182,8 @@ own sentences, and averages gradients with one all-reduce; the notebook computes
 single-process gradient on all eight sentences and compares.
 """),
     code("""
-ranks = launch(data_parallel_gradients, world_size=4, args=(SEED_SENTENCES,))
-reference = full_batch_gradients(SEED_SENTENCES)
+ranks = launch(data_parallel_gradients, world_size=4, args=(EXAMPLE_SENTENCES,))
+reference = full_batch_gradients(EXAMPLE_SENTENCES)
 rows = [
     [r.rank, r.loss, max_abs_difference(r.local, reference),
      max_abs_difference(r.averaged, reference)]
@@ -214,7 +214,7 @@ eight sentences split 3, 3 and 2, and the average of the three means weighs the 
 sentences on rank 2 more than the others:
 """),
     code("""
-uneven = launch(data_parallel_gradients, world_size=3, args=(SEED_SENTENCES,))
+uneven = launch(data_parallel_gradients, world_size=3, args=(EXAMPLE_SENTENCES,))
 worst_uneven = max(max_abs_difference(r.averaged, reference) for r in uneven)
 print("sentences per rank:", [len(r.sentences) for r in uneven])
 print(f"max abs difference from the full-batch gradient: {worst_uneven:.3g}")
@@ -234,7 +234,7 @@ def weighted_gradients(rank, world_size, sentences):
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)  # no division: the weights add up to 1
     return gradients(model)
 
-fixed = launch(weighted_gradients, world_size=3, args=(SEED_SENTENCES,))
+fixed = launch(weighted_gradients, world_size=3, args=(EXAMPLE_SENTENCES,))
 worst_fixed = max(max_abs_difference(g, reference) for g in fixed)
 print(f"uneven batches, weighted: max abs difference {worst_fixed:.1e}")
 print("weighted gradients equal the full-batch gradient (to 1e-6):", worst_fixed < 1e-6)
@@ -244,13 +244,14 @@ print("plain average is wrong with uneven batches:", worst_uneven > 1e-3)
 print("weighted gradients equal the full-batch gradient (to 1e-6):", worst_fixed < 1e-6)
 """, CHECK),
     md(r"""
-PyTorch's `DistributedSampler` takes the other route and pads the data so that every rank
-gets the same number of samples; chapter 5 looks at what that padding costs.
+PyTorch's `DistributedSampler` takes the other route and makes the shares equal: it pads the
+data by repeating samples (or, with `drop_last=True`, drops the remainder), so the average is
+then over a batch that is not quite the original one; chapter 5 looks at what that costs.
 
 ## Try it
 
-Choose a world size and a seed and press the button: the panel launches that many real ranks,
-each with a gradient drawn from the seed, and shows the table and a figure. Below the panel is
+Choose a world size and a random seed and press the button: the panel launches that many real
+ranks, each with a gradient drawn at random from that seed, and shows the table and a figure. Below the panel is
 the default run (four ranks, seed 0). With one rank the all-reduce returns the rank's own
 gradient; with any number of ranks every row ends with the same bits.
 """),
@@ -266,8 +267,9 @@ parameter's `.grad` holding the mean of that gradient over all ranks.
 * Use `dist.all_reduce(tensor)`: it works **in place** and sums across ranks.
 * Divide by `dist.get_world_size()`.
 * Skip parameters whose `.grad` is `None` (frozen parameters have none).
-* Every rank must call `all_reduce` on the same parameters in the same order, or the ranks
-  wait for each other forever (the check stops that after a timeout).
+* Every rank must call `all_reduce` on the same parameters in the same order. Otherwise the
+  ranks wait for each other forever (the check stops that after a timeout), or, when the
+  tensors have the same size, silently add one parameter's gradient to another's.
 
 The check below runs your function on 1, 2, 3 and 4 real ranks, each starting from different
 gradients, and compares every rank's result with the mean.
@@ -296,7 +298,8 @@ result = check_average_gradients(average_gradients)
   full batch, up to float32 rounding. With unequal batches it does not: weight each rank's
   loss by its share of the samples, or make the shares equal.
 * `labs.launch` runs any function, notebook-defined ones included, on real ranks; the same
-  workers run under `torchrun` (`torchrun --nproc_per_node=4 -m labs toy`).
+  workers run under `torchrun`
+  (`torchrun --nproc_per_node=4 -m labs toy --grads 0.1 -0.2 0.4 -0.1`).
 
 Next, chapter 2 asks how an all-reduce is computed: which messages travel between the ranks,
 and what that costs.
