@@ -190,8 +190,8 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
             _sync_device()
             if iteration >= settings.warmup:
                 seconds[i].append(time.perf_counter() - start)
-    return [CaseTiming(c, tuple(s), _bucket_count(c, settings))
-            for c, s in zip(cases, seconds, strict=True)]
+    return [CaseTiming(c, tuple(s), _bucket_count(c, settings, m))
+            for c, s, m in zip(cases, seconds, models, strict=True)]
 
 
 def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sync: bool
@@ -207,7 +207,19 @@ def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sy
             synchronise(model)
 
 
-def _bucket_count(case: Case, settings: StepSettings) -> int:
+def torch_bucket_count(model: DistributedDataParallel) -> int:
+    """How many buckets torch's DDP all-reduces per iteration, from its logging data (a
+    private method, in torch since 1.9). Its first iteration has one bucket; before the second
+    it rebuilds them in gradient-arrival order. The logging data is written as each forward
+    starts, so it shows the rebuilt buckets from the third iteration on."""
+    data = model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data["bucket_sizes"]
+    return len(str(sizes).split(","))
+
+
+def _bucket_count(case: Case, settings: StepSettings, model: nn.Module) -> int:
+    if isinstance(model, DistributedDataParallel):
+        return torch_bucket_count(model)
     if case.implementation is Implementation.FSDP:
         return 0  # all-gathers and reduce-scatters, no all-reduce
     if case.implementation is Implementation.NAIVE:

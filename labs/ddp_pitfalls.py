@@ -24,9 +24,9 @@ from labs.launch import rank_device
 class TwoHeads(nn.Module):
     """A trunk and two heads; ``forward`` uses the second head only if asked to."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.trunk = nn.Linear(8, 8)
         self.head = nn.Linear(8, 2)
         self.aux_head = nn.Linear(8, 2)
@@ -128,15 +128,18 @@ class CheckpointReport:
     rank: int
     wrapper_keys: tuple[str, ...]
     module_keys: tuple[str, ...]
+    differed_before: bool
+    """A model built from another seed differed from the wrapped one before loading."""
     loaded_equal: bool
-    """The state it loaded equals its own model's (every rank holds the same weights)."""
+    """After loading the checkpoint, that model equals the wrapped one."""
     storage_device: str
     """The device the loaded tensors are on (``map_location`` chose it)."""
 
 
 def checkpoint_worker(rank: int, world_size: int, path: str) -> CheckpointReport:
     """Rank 0 saves ``model.module.state_dict()`` (atomically: temp file, then rename);
-    a barrier; every rank loads it with ``map_location`` set to its own device."""
+    a barrier; every rank loads it with ``map_location`` set to its own device into a model
+    built from a seed of its own, so only the load can make the two equal."""
     device = rank_device()
     model = wrap(Implementation.OURS, TwoHeads(), 25.0)
     if rank == 0:
@@ -145,13 +148,17 @@ def checkpoint_worker(rank: int, world_size: int, path: str) -> CheckpointReport
         os.replace(tmp, path)  # a crash mid-save leaves the old checkpoint, not half a new one
     dist.barrier()  # nobody reads the file before rank 0 finished writing it
     state = torch.load(path, map_location=device)
-    fresh = TwoHeads().to(device)
+    fresh = TwoHeads(seed=1000 + rank).to(device)
+
+    def same() -> bool:
+        return all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                      model.module.state_dict().values(),
+                                                      strict=True))
+
+    differed = not same()
     fresh.load_state_dict(state)
-    equal = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
-                                                   model.module.state_dict().values(),
-                                                   strict=True))
     return CheckpointReport(rank, tuple(model.state_dict()), tuple(model.module.state_dict()),
-                            equal, str(next(iter(state.values())).device))
+                            differed, same(), str(next(iter(state.values())).device))
 
 
 def seeding_worker(rank: int, world_size: int, implementation: Implementation) -> float:

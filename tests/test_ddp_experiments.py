@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from labs import RankError, launch
+from labs.ddp import assign_buckets, trainable_parameters
 from labs.ddp_experiments import (
     Case,
     Implementation,
@@ -21,6 +22,8 @@ from labs.ddp_experiments import (
     measure_timelines,
     mlp,
     sampler_views,
+    torch_bucket_count,
+    wrap,
 )
 from labs.ddp_pitfalls import (
     ChangeAfterWrapping,
@@ -55,6 +58,25 @@ def test_step_times_cover_every_case_and_count_its_all_reduces():
     assert all(r.seconds > 0 for r in rows)
     table = step_time_table(rows)
     assert "1.00x" in table and "NaiveDDP" in table
+
+
+def torch_buckets_per_iteration(rank: int, world_size: int, cap_mb: float) -> list[int]:
+    model = wrap(Implementation.TORCH, mlp(SMALL), cap_mb)
+    counts = []
+    for _ in range(3):
+        model(torch.randn(4, SMALL.width)).sum().backward()
+        counts.append(torch_bucket_count(model))
+    return counts
+
+
+@pytest.mark.parametrize("cap_mb", [SMALL.bucket_cap_mb, 1.0])
+def test_torch_ddp_starts_with_one_bucket_then_rebuilds_to_the_labs_plan(cap_mb):
+    planned = len(assign_buckets(trainable_parameters(mlp(SMALL)), cap_mb))
+    for counts in launch(torch_buckets_per_iteration, 2, args=(cap_mb,), echo=False):
+        # the logging data is written as each forward starts, so the rebuild made before the
+        # second forward shows from the third iteration on
+        assert counts == [1, 1, planned]
+    assert planned == (3 if cap_mb < 1 else 1)
 
 
 def test_a_bucket_sweep_has_both_bucketed_implementations_at_every_cap():
@@ -152,7 +174,7 @@ def test_logging_from_rank_zero_prints_once_and_the_average_needs_every_rank(cap
 def test_checkpoint_from_rank_zero_loads_on_every_rank(tmp_path):
     reports = launch(checkpoint_worker, 2, args=(str(tmp_path / "ckpt.pt"),), echo=False)
     for r in reports:
-        assert r.loaded_equal and r.storage_device == "cpu"
+        assert r.differed_before and r.loaded_equal and r.storage_device == "cpu"
         assert r.wrapper_keys[0] == "module.trunk.weight" and r.module_keys[0] == "trunk.weight"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temp file left
     state = torch.load(tmp_path / "ckpt.pt")

@@ -143,9 +143,8 @@ $\alpha$ of chapter 2's cost model, and it sends nothing until backward has fini
 network idles while the processor computes and the processor idles while the network sends.
 
 The bytes are not the problem. Whatever the wrapper, a ring all-reduce of $S$ bytes of
-gradients makes each rank send $2\frac{N-1}{N}S$ (chapter 2). The DDP source text this course
-started from says "2 × model_size (independent of N!)"; the factor does depend on $N$, a
-little. Measured with `labs.collectives.ring_all_reduce` on this model's gradients ($S$ is
+gradients makes each rank send $2\frac{N-1}{N}S$ (chapter 2). It is tempting to call that
+"twice the model, independent of $N$"; the factor does depend on $N$, a little. Measured with `labs.collectives.ring_all_reduce` on this model's gradients ($S$ is
 printed above the table):
 """),
     code("""
@@ -251,17 +250,17 @@ gradients arrived, up to the cap. (Only when `bucket_cap_mb` is left unset does 
 first bucket get a smaller cap of its own, `dist._DEFAULT_FIRST_BUCKET_BYTES`; here the cap is
 given.) The untimed warm-up steps include that first iteration.
 
-The all-reduce count in torch's row is not counted from torch: it is what
-`labs.ddp.assign_buckets` gives at the same cap. The accumulation section below counts torch's
-all-reduces with a communication hook, after its rebuild, and finds the same number as for
-labs' DDP.
+The all-reduce count in torch's row is read from torch's DDP after the timed steps: its
+logging data (`_get_ddp_logging_data()`, a private method) lists the rebuilt buckets. It is the
+same number as `labs.ddp.assign_buckets` gives labs' DDP at this cap, and the accumulation
+section below finds it again by counting torch's all-reduces with a communication hook.
 
 ### The bucket size
 
 A bucket is a trade: small buckets start communicating early but pay the per-message latency
 many times; one big bucket pays it once but cannot start until backward has finished. Each
 point below is one launch's median step time at one cap; the numbers above the points are
-the buckets per step, from `assign_buckets` for both wrappers. This model cannot show many
+the buckets per step (labs' from `assign_buckets`, torch's read from torch's DDP). This model cannot show many
 small buckets: each weight is as large as the 256 KiB cap, and a bucket closes once its weight
 is in it, so every cap up to 256 KiB gives one bucket per layer.
 """),
@@ -297,8 +296,8 @@ python -m labs.bench ddp --world-size 2 --launches 3
 ## Gradient accumulation and `no_sync()`
 
 To train with a batch larger than fits in memory, run $k$ micro-batches through forward and
-backward, summing their gradients, then take one optimizer step. The DDP source text does it
-like this:
+backward, summing their gradients, then take one optimizer step. The loop usually written
+for one GPU is this:
 
 ```python
 for i, batch in enumerate(dataloader):
@@ -356,11 +355,11 @@ for epoch in (0, 1):
 Three things to see:
 
 * **Interleaved, not contiguous.** Without shuffling, rank 0 of 2 reads samples 0, 2, 4, not
-  0, 1, 2 as the DDP source text draws it (next cell).
+  0, 1, 2 as one might guess (next cell).
 * **`set_epoch` changes the permutation.** The sampler's permutation is seeded with
   `seed + epoch`. Without `sampler.set_epoch(epoch)` every epoch repeats epoch 0's order
-  exactly (the source text's "without set_epoch" example shows unshuffled contiguous blocks;
-  what you get is a shuffled order that never changes).
+  exactly: forgetting it does not give unshuffled contiguous blocks but a shuffled order
+  that never changes.
 * **Padding.** 10 samples on 4 ranks become 12 reads: two samples are read twice per epoch.
   For training that is a small bias; for evaluation it is a wrong number (below).
 """),
@@ -414,7 +413,7 @@ error naming the stuck ranks instead of a frozen notebook.
 
 ### A parameter unused in forward
 
-The DDP source text says that a parameter which gets no gradient makes DDP hang. Here a model
+Is it true that a parameter which gets no gradient makes DDP hang? Here a model
 with an auxiliary head that `forward` never uses is trained for three steps, by torch's DDP and
 by `labs.ddp.DDP`, without and then with `find_unused_parameters=True`:
 """),
@@ -506,18 +505,17 @@ with tempfile.TemporaryDirectory() as tmp:
 print("wrapper's keys:      ", list(reports[0].wrapper_keys[:2]), "...")
 print("model.module's keys: ", list(reports[0].module_keys[:2]), "...")
 for r in reports:
-    print(f"rank {r.rank}: loaded onto {r.storage_device}, equal to its own weights: "
-          f"{r.loaded_equal}")
+    print(f"rank {r.rank}: loaded onto {r.storage_device}; a model from another seed differed "
+          f"before loading: {r.differed_before}, equals the wrapped model after: {r.loaded_equal}")
 """, CHECK),
     md(r"""
-What this shows is that the file loads: a bare model accepts `model.module`'s keys, and each
-rank's tensors land on the device `map_location` names. The equality says little here,
-because every rank builds the model from the same seed, so a fresh copy would equal the
-wrapped one even without loading anything.
+A bare model accepts `model.module`'s keys, and each rank's tensors land on the device
+`map_location` names. Each rank loads into a model built from a seed of its own (`1000 + rank`),
+which differs from the wrapped model until the load makes it equal.
 
 ### Seeding
 
-The source text asks for `torch.manual_seed(seed)` on every rank so that the models agree.
+Seeding every rank with `torch.manual_seed(seed)` so that the models agree is common advice.
 They agree anyway: the wrapper broadcasts rank 0's parameters. Each rank below builds its
 model after seeding with `100 + rank`, then wraps it (or not):
 """),
@@ -619,12 +617,12 @@ print(f"torchrun's final loss {final:.4f}, the notebook's {curves[Wrapper.OURS][
       f"{'the same' if abs(final - curves[Wrapper.OURS][-1].item()) < 5e-5 else 'DIFFERENT'}")
 """, CHECK),
     md(r"""
-### What the DDP source text's script gets wrong
+### What a first multi-GPU script often gets wrong
 
-The complete training script in the DDP source text this course started from runs on one
-machine and breaks on two:
+A training script written and tried on one machine can break on two. These are the usual
+mistakes:
 
-* It calls `torch.cuda.set_device(rank)` and `model.to(rank)` with the **global** rank.
+* Calling `torch.cuda.set_device(rank)` and `model.to(rank)` with the **global** rank.
   With two nodes of four GPUs, torchrun numbers the processes of the second node 4 to 7, and
   that node has `cuda:0` to `cuda:3` only. The device index is `LOCAL_RANK`:
 """),
@@ -635,14 +633,15 @@ for node in range(2):
         rank = node * 4 + local_rank  # what torchrun sets as RANK with --nproc_per_node=4
         rows.append([node, local_rank, rank, f"cuda:{rank}" + (" (no such GPU)" if rank > 3
                                                              else ""), f"cuda:{local_rank}"])
-print(format_table(["node", "LOCAL_RANK", "RANK", "the script's device", "right device"], rows))
+print(format_table(["node", "LOCAL_RANK", "RANK", "device(rank)", "right device"], rows))
 """, CHECK),
     md(r"""
-* Its rank 0 saves a checkpoint while the other ranks race ahead; nothing makes them wait
+* Rank 0 saving a checkpoint while the other ranks race ahead; nothing makes them wait
   for a complete file before anyone reads it, the file is written in place (a crash leaves
   half of it), and it is later loaded without `map_location`.
-* It logs rank 0's local loss as if it were the batch's.
-* Its gradient-accumulation recipe all-reduces every micro-batch (measured above).
+* Logging rank 0's local loss as if it were the batch's.
+* Accumulating gradients with the one-GPU loop, which all-reduces every micro-batch (measured
+  above).
 
 `labs.train` does each of these the other way; the lab's loop is short enough to read:
 """),
