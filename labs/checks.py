@@ -19,6 +19,7 @@ are importable from here too.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labs.launch import LaunchTimeout, RankError, RankFailure, launch
+from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, RankFailure, launch
 
 #: How long one check launch may run before the learner's code is declared hung.
 CHECK_TIMEOUT_S = 10.0
@@ -95,6 +96,25 @@ def explain_hang(n: int, err: LaunchTimeout, timeout: float) -> tuple[str | None
             cell = re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', frames[0])
             return None, f" Rank {r} was waiting at {cell}."
     return None, ""
+
+
+def validate_run_arguments(world_sizes: object, seed: object, timeout: object, *,
+                           max_world_size: int = MAX_WORLD_SIZE, why: str = "") -> None:
+    """Refuse a check's ``world_sizes``, ``seed`` or ``timeout`` before any process starts,
+    saying what to pass instead. ``why`` explains ``max_world_size`` when it is a check's own."""
+    if (isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence)
+            or not world_sizes):
+        raise TypeError(f"world_sizes must be a non-empty tuple of ints, e.g. (1, 2, 3), got "
+                        f"{world_sizes!r}.")
+    for n in world_sizes:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_world_size:
+            raise ValueError(f"each world size must be an int in 1..{max_world_size}{why}, "
+                             f"got {n!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
 
 
 # --- Exercise 1.1: average_gradients(model) ---------------------------------------------------
@@ -196,8 +216,11 @@ def check_average_gradients(
 
     A non-zero ``seed`` also runs one more world size (5 or 6) and a check model with other
     layer widths, both drawn from ``random.Random(seed)``; the verdict names them."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
+    if not callable(average_gradients):
+        raise TypeError(f"pass the function itself, e.g. check_average_gradients("
+                        f"average_gradients), not its result (got "
+                        f"{type(average_gradients).__name__}).")
+    validate_run_arguments(world_sizes, seed, timeout)
     name = "Exercise 1.1 average_gradients"
     plan = _AveragePlan.make(world_sizes, seed)
 
@@ -212,20 +235,23 @@ def check_average_gradients(
                 timeout=timeout, echo=False, backend="gloo",  # CPU tensors, even on GPU boxes
             )
         except RankError as err:
+            named = failing_rank(err)
             hint = (
                 " Parameters with requires_grad=False have .grad None: skip them."
-                if "NoneType" in str(err) else ""
+                if "NoneType" in named.traceback else ""
             )
             return verdict(
                 False,
-                f"with {world_size} rank(s), rank {err.rank} raised {err.exc_type}.{hint}\n"
-                f"{err.remote_traceback}",
+                f"with {world_size} rank(s), rank {named.rank} raised {named.exc_type}.{hint}\n"
+                f"{clean_traceback(named.traceback, __file__)}",
             )
         except LaunchTimeout as err:
+            starting, where = explain_hang(world_size, err, timeout)
             return verdict(
                 False,
-                f"with {world_size} rank(s), rank(s) {err.ranks} hung: every rank must call "
-                "all_reduce on the same parameters, in the same order.",
+                starting or f"with {world_size} rank(s), rank(s) {list(err.ranks)} hung for "
+                f"{timeout:g} s.{where} Every rank must call all_reduce on the same parameters, "
+                "in the same order.",
             )
         starts = [_check_gradients(rank, seed, plan.widths) for rank in range(world_size)]
         wrong = _judge_average(starts, results)

@@ -44,9 +44,10 @@ from labs.checks import (
     clean_traceback,
     explain_hang,
     failing_rank,
+    validate_run_arguments,
 )
 from labs.collectives import Collective, shard_bounds
-from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, launch
+from labs.launch import LaunchTimeout, RankError, launch
 
 #: The collectives of torch.distributed a learner might reach for; inside a check each raises.
 _COLLECTIVES = (
@@ -643,18 +644,7 @@ def _validate(fn: object, world_sizes: object, seed: object, timeout: object) ->
     if not callable(fn):
         raise TypeError(f"pass the function itself, e.g. check(my_function), not its result "
                         f"(got {type(fn).__name__}).")
-    if (isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence)
-            or not world_sizes):
-        raise TypeError(f"world_sizes must be a non-empty tuple of ints, e.g. (1, 2, 3), got "
-                        f"{world_sizes!r}.")
-    for n in world_sizes:
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORLD_SIZE:
-            raise ValueError(f"each world size must be an int in 1..{MAX_WORLD_SIZE}, got {n!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 < timeout < math.inf):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    validate_run_arguments(world_sizes, seed, timeout)
 
 
 def _signature_problem(exercise: Exercise, fn: Callable[..., Any]) -> str:

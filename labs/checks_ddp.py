@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import inspect
-import math
 import random
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +53,7 @@ from labs.checks import (
     clean_traceback,
     explain_hang,
     failing_rank,
+    validate_run_arguments,
 )
 from labs.launch import LaunchTimeout, RankError, launch
 
@@ -816,19 +816,8 @@ def _validate(exercise: DDPExercise, wrapper_class: object, world_sizes: object,
         raise TypeError(f"pass the class itself, e.g. {exercise.check_name}("
                         f"{exercise.class_name}), not an instance or a function (got "
                         f"{type(wrapper_class).__name__}).")
-    if (isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence)
-            or not world_sizes):
-        raise TypeError(f"world_sizes must be a non-empty tuple of ints, e.g. (1, 2, 3), got "
-                        f"{world_sizes!r}.")
-    for n in world_sizes:
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHECK_WORLD_SIZE:
-            raise ValueError(f"each world size must be an int in 1..{MAX_CHECK_WORLD_SIZE} (the "
-                             f"check's batch of {BATCH} splits equally), got {n!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 < timeout < math.inf):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    validate_run_arguments(world_sizes, seed, timeout, max_world_size=MAX_CHECK_WORLD_SIZE,
+                           why=f" (the check's batch of {BATCH} splits equally)")
 
 
 def _interface_problem(exercise: DDPExercise, wrapper_class: type) -> str:

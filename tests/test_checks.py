@@ -116,7 +116,7 @@ def test_wrong_answers_fail_with_a_reason(answer, reason, capsys):
 def test_a_hanging_answer_fails_after_the_timeout():
     result = check_average_gradients(rank_zero_skips_the_collective, timeout=3)
     assert not result.passed
-    assert "hung" in result.message
+    assert "hung for 3 s" in result.message
 
 
 def test_average_gradients_seed_draws_hidden_cases_and_names_them(capsys):
@@ -151,9 +151,32 @@ def test_hidden_cases_catch_answers_fitted_to_the_documented_ones(answer, seed, 
     assert f"pass seed={seed} to rerun" in hidden.message
 
 
-def test_average_gradients_refuses_a_seed_that_is_not_an_int():
-    with pytest.raises(TypeError):
-        check_average_gradients(correct, seed="1")
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"average_gradients": None}, TypeError),
+        ({"average_gradients": correct, "seed": "1"}, TypeError),
+        ({"average_gradients": correct, "world_sizes": 4}, TypeError),
+        ({"average_gradients": correct, "world_sizes": (0, 2)}, ValueError),
+        ({"average_gradients": correct, "timeout": -1}, ValueError),
+    ],
+)
+def test_average_gradients_refuses_bad_arguments_before_any_rank_starts(kwargs, error, procs):
+    before = set(procs.descendants())
+    with pytest.raises(error, match="pass the function itself|seed|world_sizes|world size|timeout"):
+        check_average_gradients(**kwargs)
+    assert set(procs.descendants()) <= before
+
+
+def test_average_gradients_verdict_on_a_crash_is_the_same_every_run(capsys):
+    """Every rank crashes on the frozen parameter: the verdict names rank 0, whichever rank
+    failed first, and the traceback shows the learner's frames, not the check's."""
+    first, again = (check_average_gradients(crashes_on_frozen_parameter, world_sizes=(3,))
+                    for _ in range(2))
+    assert str(first) == str(again)
+    assert "with 3 rank(s), rank 0 raised" in first.message
+    assert "crashes_on_frozen_parameter" in first.message
+    assert "_run_average_gradients" not in first.message
 
 
 # --- Exercises 2.1-4.2: the collectives, built from point-to-point messages -------------------
