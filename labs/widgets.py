@@ -10,7 +10,7 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from labs.bench_collectives import DEFAULT_MIN_BYTES, SweepSettings, run_sweep, sweep_tables
+from labs.bench_collectives import SweepSettings, run_sweep, sweep_tables
 from labs.collectives import Algorithm, Collective
 from labs.ddp_experiments import (
     StepSettings,
@@ -20,7 +20,7 @@ from labs.ddp_experiments import (
     measure_timelines,
 )
 from labs.launch import launch
-from labs.timing import COMM_THREADS, format_size
+from labs.timing import dtype_name, format_size
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
 from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
@@ -77,18 +77,30 @@ PANEL_SIZES: tuple[int, ...] = tuple(4 << (2 * i + 10) for i in range(7))  # 4 K
 
 
 def sweep_command(settings: SweepSettings) -> str:
-    """The shell command that runs the same experiment as ``settings`` (gloo)."""
-    collectives = " ".join(c.value for c in settings.collectives)
+    """The shell command that runs the same experiment as ``settings``: every field that is
+    not the default becomes a flag."""
+    default = SweepSettings()
     algorithms = ("" if settings.algorithms is None else " --algorithms "
                   + " ".join(a.value.replace(" ", "-") for a in settings.algorithms))
-    return (f"python -m labs.bench collectives --collectives {collectives}{algorithms} "
+    optional = [
+        ("--dtype", settings.dtype != default.dtype, dtype_name(settings.dtype)),
+        ("--segment-bytes", settings.segment_bytes != default.segment_bytes,
+         " ".join("none" if s is None else format_size(s) for s in settings.segment_bytes)),
+        ("--window", settings.window != default.window, str(settings.window)),
+        ("--backends", settings.backends != default.backends,
+         " ".join(b.value for b in settings.backends)),
+        ("--launches", settings.launches != default.launches, str(settings.launches)),
+        ("--threads", settings.threads != default.threads, str(settings.threads)),
+        ("--min-bytes", settings.min_bytes != default.min_bytes,
+         format_size(settings.min_bytes) if settings.min_bytes else "0"),
+        ("--timeout", settings.timeout_s != default.timeout_s, f"{settings.timeout_s:g}"),
+    ]
+    return (f"python -m labs.bench collectives "
+            f"--collectives {' '.join(c.value for c in settings.collectives)}{algorithms} "
             f"--sizes {' '.join(format_size(s) for s in settings.sizes)} "
             f"--world-sizes {' '.join(map(str, settings.world_sizes))} "
             f"--iters {settings.iters} --warmup {settings.warmup}"
-            + (f" --launches {settings.launches}" if settings.launches != 1 else "")
-            + (f" --threads {settings.threads}" if settings.threads != COMM_THREADS else "")
-            + (f" --min-bytes {format_size(settings.min_bytes) if settings.min_bytes else 0}"
-               if settings.min_bytes != DEFAULT_MIN_BYTES else ""))
+            + "".join(f" {flag} {value}" for flag, differs, value in optional if differs))
 
 
 def panel_settings(
@@ -266,7 +278,8 @@ def zero_panel(world_size: int = 4, strategy: Strategy = Strategy.ZERO3,
     size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
     stage = w.Dropdown(options=[(s.value, s) for s in Strategy], value=strategy,
                        description="stage", layout=w.Layout(width="260px"))
-    width = w.Dropdown(options=[32, 64, 128, 256], value=base.width, description="layer width",
+    width = w.Dropdown(options=sorted({32, 64, 128, 256, base.width}), value=base.width,
+                       description="layer width",
                        layout=w.Layout(width="200px"))
     out = w.Output()
     button = _run_button(out, lambda: show_zero_run(

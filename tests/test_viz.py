@@ -35,6 +35,7 @@ from labs.experiments import (  # noqa: E402
     measure_traffic,
     run_ring_trace,
 )
+from labs.launch import Backend  # noqa: E402
 from labs.viz import (  # noqa: E402
     plot_traffic,
     ring_animation,
@@ -261,6 +262,8 @@ def test_panel_settings_refuse_bad_choices():
     {"min_bytes": 3 << 20, "launches": 3, "threads": 2, "iters": 7, "warmup": 0},
     {"collectives": (Collective.ALL_REDUCE,), "algorithms": (Algorithm.RING, Algorithm.TORCH),
      "sizes": (1 << 20, 1 << 26), "world_sizes": (2, 4)},
+    {"dtype": torch.bfloat16, "segment_bytes": (None, 1 << 20), "window": 4,
+     "backends": (Backend.GLOO, Backend.NCCL), "timeout_s": 90.5},
 ])
 def test_sweep_command_parses_back_into_the_same_settings(changes):
     settings = dataclasses.replace(bench_collectives.SweepSettings(), **changes)
@@ -270,7 +273,8 @@ def test_sweep_command_parses_back_into_the_same_settings(changes):
     bench_collectives.add_collectives_parser(parser.add_subparsers())
     opts = parser.parse_args(words[3:])
     back = bench_collectives.settings_from_args(
-        opts, world_sizes=tuple(opts.world_sizes), launches=opts.launches)
+        opts, world_sizes=tuple(opts.world_sizes), launches=opts.launches,
+        backends=tuple(opts.backends), timeout_s=opts.timeout)
     assert back == settings
 
 
@@ -285,3 +289,21 @@ def test_toy_panel_default_run_and_a_click(monkeypatch, capsys):
     button.click()
     assert "world size 3, seed 5" in capsys.readouterr().out
     assert not button.disabled and button.description == "Run on real ranks"
+
+
+def test_zero_panel_offers_the_width_it_was_given_and_runs_the_chosen_one(monkeypatch):
+    from labs.ddp_experiments import StepSettings
+    from labs.zero_experiments import Strategy
+
+    shown, runs = [], []
+    monkeypatch.setattr(widgets, "display", shown.append)
+    monkeypatch.setattr(widgets, "show_zero_run", lambda *args: runs.append(args))
+    base = StepSettings(width=48, layers=2, batch=8, steps=1, warmup=0)
+    widgets.zero_panel(world_size=2, strategy=Strategy.ZERO1, settings=base)
+    assert runs == [(2, Strategy.ZERO1, base)]  # the default run, shown at once
+    (controls, button, _out) = shown[0].children
+    _size, _stage, width = controls.children
+    assert width.value == 48 and 48 in width.options
+    width.value = 128
+    button.click()
+    assert runs[-1] == (2, Strategy.ZERO1, dataclasses.replace(base, width=128))
