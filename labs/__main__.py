@@ -39,7 +39,7 @@ from labs.toy_allreduce import (
     max_abs_difference,
     toy_all_reduce_step,
 )
-from labs.train import TrainConfig, TrainResult, Wrapper, train_worker
+from labs.train import TrainConfig, TrainResult, Wrapper, check_resume, train_worker
 from labs.viz import format_table, toy_table
 from labs.viz_zero import memory_table, traffic_table
 from labs.zero_experiments import Strategy, lab_worker
@@ -107,6 +107,7 @@ def _ddp(opts: argparse.Namespace, world_size: int) -> None:
     if config.resume and not Path(str(config.checkpoint)).exists():
         raise ValueError(f"--resume: no checkpoint at {config.checkpoint}; run once without "
                          "--resume first.")
+    check_resume(config, world_size)  # before any process starts
     results = _run(train_worker, world_size, (config,), opts.backend, timeout=opts.timeout)
     if results is not None:
         print(_train_report(results[0]))

@@ -81,7 +81,7 @@ from torch.utils._pytree import tree_flatten
 
 from labs.ddp import broadcast_state
 from labs.fsdp import FSDP, default_units
-from labs.launch import rank_device
+from labs.launch import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.models import TiedNet
 
@@ -239,6 +239,15 @@ class CompareSettings:
         if unknown or Sharding.NONE in self.wrappers:
             raise ValueError("wrappers must be Sharding.LABS_FSDP and/or Sharding.FULLY_SHARD "
                              f"(the reference runs in reference_run), got {self.wrappers!r}")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a world size the batch does not split into equal shares."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if self.batch % world_size:
+            raise ValueError(f"the batch of {self.batch} sequences cannot be split into "
+                             f"{world_size} equal shares; pick a batch that divides by it "
+                             f"(CompareSettings(batch=...))")
 
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole batch: inputs and next-token targets, each (batch, seq_len) int64."""
@@ -468,6 +477,15 @@ def reference_run(settings: CompareSettings = CompareSettings()) -> RunResult:
     return _train(Sharding.NONE, net, net, (), x, y, settings, rank=0, world_size=1)
 
 
+def compare_on_ranks(world_size: int, settings: CompareSettings = CompareSettings(),
+                     timeout: float = 120.0) -> list[RankReport]:
+    """:func:`compare_worker` on ``world_size`` real ranks, one report per rank; a batch that
+    does not split into equal shares is refused before any process starts."""
+    settings.check_world_size(world_size)
+    return list(launch(compare_worker, world_size, args=(settings,), echo=False,
+                       timeout=timeout))
+
+
 def compare_worker(rank: int, world_size: int,
                    settings: CompareSettings = CompareSettings()) -> RankReport:
     """Worker (run it with :func:`labs.launch`): train :class:`TiedNet` with each of
@@ -478,9 +496,7 @@ def compare_worker(rank: int, world_size: int,
     ``fully_shard``, which does not broadcast. Where ``fully_shard`` cannot run on this torch
     and device, it is skipped and ``RankReport.skipped`` says why.
     """
-    if settings.batch % world_size:
-        raise ValueError(f"the batch of {settings.batch} sequences cannot be split into "
-                         f"{world_size} equal shares; pick a batch that divides by it")
+    settings.check_world_size(world_size)  # under torchrun nothing checked it before
     device = rank_device()
     x, y = settings.tokens()
     share = settings.batch // world_size

@@ -306,7 +306,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     start_step = 0
     if config.resume:
-        start_step = _load_checkpoint(config, model, optimizer, device)
+        start_step = _load_checkpoint(config, model, optimizer, device, world_size)
     ddp = wrap(model, config, device)
     # labs' wrappers synchronise in finish_gradient_synchronization(); torch's inside backward.
     ours = isinstance(ddp, (NaiveDDP, DDP))
@@ -352,8 +352,35 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     )
 
 
+#: What a resumed run must share with the run that wrote its checkpoint: the model's shape,
+#: and every setting that decides which samples each rank reads at each step.
+RESUME_MUST_MATCH = ("world_size", "seed", "batch_size", "accumulation", "seq_len", "d_model",
+                     "n_heads", "n_layers")
+
+
+def check_resume(config: TrainConfig, world_size: int,
+                 saved: dict[str, Any] | None = None) -> None:
+    """Refuse to resume from a checkpoint written with other settings: another world size,
+    seed or batch would silently read other samples than the uninterrupted run, and another
+    model shape would not load. ``saved`` is the checkpoint's ``config`` (read from the file
+    when not given); the parent calls this before any process starts, each rank again."""
+    if not config.resume:
+        return
+    if saved is None:
+        if not Path(str(config.checkpoint)).exists():
+            raise FileNotFoundError(f"no checkpoint at {config.checkpoint} to resume from: run "
+                                    "once without resume first.")
+        saved = torch.load(str(config.checkpoint), map_location="cpu", weights_only=True)["config"]
+    now = {**dataclasses.asdict(config), "world_size": world_size}
+    differ = [name for name in RESUME_MUST_MATCH if name in saved and saved[name] != now[name]]
+    if differ:
+        pairs = ", ".join(f"{name}={saved[name]} (now {now[name]})" for name in differ)
+        raise ValueError(f"the checkpoint {config.checkpoint} was written with {pairs}: resume "
+                         "with the same values, or start a new run without resume.")
+
+
 def _load_checkpoint(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     device: torch.device) -> int:
+                     device: torch.device, world_size: int) -> int:
     """Restore model and optimizer in place, before wrapping; return the checkpoint's step."""
     assert config.checkpoint is not None  # __post_init__ refuses resume without a path
     if not Path(config.checkpoint).exists():
@@ -361,6 +388,7 @@ def _load_checkpoint(config: TrainConfig, model: nn.Module, optimizer: torch.opt
                                 "once without resume first.")
     # map_location: tensors saved from cuda:0 would otherwise come back on cuda:0 in every rank.
     state: dict[str, Any] = torch.load(config.checkpoint, map_location=device, weights_only=True)
+    check_resume(config, world_size, state["config"])
     if state["step"] > config.steps:
         raise ValueError(f"the checkpoint is at step {state['step']}, past steps={config.steps}: "
                          "ask for more steps.")

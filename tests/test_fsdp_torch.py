@@ -22,7 +22,7 @@ from labs.fsdp_torch import (
     RankReport,
     Sharding,
     apply_fully_shard,
-    compare_worker,
+    compare_on_ranks,
     full_value,
     fully_shard_available,
     held_table,
@@ -47,8 +47,7 @@ def reference():
 @pytest.fixture(scope="module")
 def reports() -> dict[int, list[RankReport]]:
     """One launch per world size, both wrappers in each."""
-    return {n: launch(compare_worker, n, args=(SETTINGS,), echo=False, timeout=120)
-            for n in WORLD_SIZES}
+    return {n: compare_on_ranks(n, SETTINGS) for n in WORLD_SIZES}
 
 
 def runs_of(reports, n, sharding):
@@ -261,3 +260,13 @@ def test_the_table_shows_every_run_or_why_not(reports, reference):
     assert Sharding.NONE.value in text and Sharding.LABS_FSDP.value in text
     assert (Sharding.FULLY_SHARD.value if AVAILABLE else WHY) in text
     assert len([line for line in text.splitlines() if line.lstrip().startswith("4 ")]) == 4
+
+
+@pytest.mark.parametrize("world_size, match", [(3, "cannot be split into 3 equal shares"),
+                                               (0, "world_size must be an int")])
+def test_a_batch_that_does_not_split_is_refused_before_any_rank_starts(procs, world_size,
+                                                                       match):
+    before = set(procs.descendants())
+    with pytest.raises(ValueError, match=match):
+        compare_on_ranks(world_size, SETTINGS)
+    assert set(procs.descendants()) <= before

@@ -47,7 +47,7 @@ from labs.collectives import Algorithm, Recorder, ring_all_gather, ring_reduce_s
 from labs.ddp_experiments import StepSettings, mlp
 from labs.fsdp import FSDP, Event
 from labs.fsdp_torch import (
-    CompareSettings, Sharding, compare_worker, fully_shard_available, held_table,
+    CompareSettings, Sharding, compare_on_ranks, fully_shard_available, held_table,
     max_abs_difference, reference_run,
 )
 from labs.viz import format_table
@@ -307,7 +307,7 @@ stitched from their different initial values.
     code("""
 compare = CompareSettings()
 one_process = reference_run(compare)
-runs = {n: launch(compare_worker, n, args=(compare,), echo=False) for n in (2, 4)}
+runs = {n: compare_on_ranks(n, compare) for n in (2, 4)}
 rows = []
 for n, per_rank in runs.items():
     for sharding, run in per_rank[0].runs.items():
