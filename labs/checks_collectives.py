@@ -336,9 +336,16 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+#: The diagnosis below tries every subset of ranks: 2^N sums, so it stops at this N.
+_SUBSET_SEARCH_MAX_N = 10
+
+
 def _subset_sum(got: torch.Tensor, parts: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
-    """The smallest set of ranks whose parts sum to ``got`` exactly, or None."""
+    """The smallest set of ranks whose parts sum to ``got`` exactly, or None (also when there
+    are more than :data:`_SUBSET_SEARCH_MAX_N` ranks to try)."""
     n = len(parts)
+    if n > _SUBSET_SEARCH_MAX_N:
+        return None
     for size in range(1, n + 1):
         for ranks in itertools.combinations(range(n), size):
             if torch.equal(got, sum(parts[r] for r in ranks)):

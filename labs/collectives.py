@@ -748,7 +748,7 @@ def all_reduce(
     """All-reduce ``tensor`` in place with the chosen algorithm; returns ``tensor``."""
     if algorithm is Algorithm.TORCH:
         _check(tensor, op)
-        _Peers.of(group, recorder)
+        _torch_peers(group, recorder)
         return _in_place(tensor, lambda flat: dist.all_reduce(flat, op=op, group=group))
     fn = {
         Algorithm.NAIVE: naive_all_reduce,
@@ -757,6 +757,17 @@ def all_reduce(
         Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
     }[algorithm]
     return fn(tensor, op, group, recorder=recorder)
+
+
+def _torch_peers(group: ProcessGroup | None, recorder: Recorder | None) -> _Peers:
+    """The peers of a call that uses torch's built-in collective, which a Recorder cannot see
+    (its messages never pass through ``isend``/``irecv`` here): refuse one rather than let it
+    count nothing."""
+    if recorder is not None:
+        raise ValueError("a Recorder counts the messages of labs' own collectives; torch's "
+                         "built-in sends its own, which it cannot see: pass recorder=None with "
+                         "Algorithm.TORCH, or count another algorithm.")
+    return _Peers.of(group, None)
 
 
 def _only_ring_or_torch(collective: Collective, algorithm: Algorithm) -> None:
@@ -779,7 +790,7 @@ def reduce_scatter(
     if algorithm is Algorithm.RING:
         return ring_reduce_scatter(tensor, op, group, recorder=recorder)
     _check(tensor, op)
-    _Peers.of(group, recorder)
+    _torch_peers(group, recorder)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.detach().reshape(-1)
     bounds = shard_bounds(flat.numel(), n)
@@ -824,11 +835,19 @@ def all_gather(
     _only_ring_or_torch(Collective.ALL_GATHER, algorithm)
     if algorithm is Algorithm.RING:
         return ring_all_gather(shard, group, numel=numel, recorder=recorder)
-    _Peers.of(group, recorder)
-    n = dist.get_world_size(group)
+    if not isinstance(shard, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(shard).__name__}")
+    peers = _torch_peers(group, recorder)
+    n = peers.size
     flat = shard.detach().reshape(-1)
     total = flat.numel() * n if numel is None else numel
     bounds = shard_bounds(total, n)
+    expected = bounds[peers.rank + 1] - bounds[peers.rank]
+    if flat.numel() != expected:  # the same refusal as ring_all_gather's
+        raise ValueError(
+            f"rank {peers.rank}: shard has {flat.numel()} elements but chunk {peers.rank} of "
+            f"{total} over {n} ranks has {expected} (shard_bounds)."
+        )
     longest = bounds[1] - bounds[0]
     if longest * n == total:  # even shards: gather straight into the result
         out = torch.empty(total, dtype=flat.dtype, device=flat.device)

@@ -62,7 +62,8 @@ class Optimizer(enum.Enum):
 @dataclass(frozen=True)
 class StepSettings:
     """One experiment's model and loop: an MLP of ``layers`` square Linear layers (ReLU
-    between), a random batch, ``steps`` timed SGD steps after ``warmup`` untimed ones.
+    between), a random batch, ``steps`` timed optimizer steps (``optimizer``: SGD or Adam)
+    after ``warmup`` untimed ones.
     The widget panel and ``python -m labs.bench ddp`` build one of these."""
 
     width: int = 256

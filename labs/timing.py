@@ -310,11 +310,6 @@ def check_cases(cases: object, iters: object, warmup: object) -> list[Collective
 # --- the rank side -------------------------------------------------------------------------------
 
 
-def _device(rank: int) -> torch.device:
-    """Where this rank's tensors live: its own GPU under NCCL, the CPU otherwise."""
-    return rank_device()
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -434,7 +429,7 @@ def time_collectives(
     """
     found = check_cases(cases, iters, warmup)
     check_min_bytes(min_bytes)
-    device = _device(rank)
+    device = rank_device()  # its own GPU under NCCL, else the CPU
     groups: dict[tuple[int, torch.dtype], list[int]] = {}
     for i, case in enumerate(found):
         groups.setdefault((case.size_bytes, case.dtype), []).append(i)
@@ -564,7 +559,7 @@ def time_p2p(
         raise ValueError("time_p2p needs two ranks: launch it with world_size >= 2.")
     if not isinstance(pattern, P2PPattern):
         raise TypeError(f"pattern must be a P2PPattern, got {pattern!r}.")
-    device = _device(rank)
+    device = rank_device()  # its own GPU under NCCL, else the CPU
     seconds = torch.zeros(len(found), iters, dtype=torch.float64)
     source = _p2p_source(rank, world_size, pattern)
     for i, size in enumerate(found):
@@ -613,7 +608,7 @@ def time_reduction(
     run it together because in a ring they all reduce at the same time and share the cores.
     A time is the slowest rank's."""
     found = _check_sizes(sizes, iters, warmup)
-    device = _device(rank)
+    device = rank_device()  # its own GPU under NCCL, else the CPU
     seconds = torch.zeros(len(found), iters, dtype=torch.float64)
     for i, size in enumerate(found):
         a = torch.ones(size // 4, dtype=torch.float32, device=device)

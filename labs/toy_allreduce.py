@@ -6,8 +6,8 @@ starting value then leaves every rank with the same parameter:
 
     g_bar = (1/N) * sum_r g_r          p_new = p - lr * g_bar        (on every rank)
 
-Cost: one all-reduce of the gradient, S bytes per rank in and out for the textbook ring
-(2(N-1)/N * S each way; chapter 2 measures this).
+Cost: one all-reduce of the gradient; with the ring of chapter 2 every rank sends
+2(N-1)/N * S bytes and receives as many (chapter 2 measures this).
 
 The second half replaces the single number by a real model: a character bigram model
 trained on each rank's own sentences. Averaging the per-rank gradients gives exactly the

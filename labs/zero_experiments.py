@@ -181,8 +181,9 @@ def measure_memory(world_sizes: Sequence[int], settings: StepSettings,
 def traffic_worker(rank: int, world_size: int, settings: StepSettings,
                    strategy: Strategy) -> tuple[int, int]:
     """One training step with chapter 3 and 4's ring collectives and a Recorder; returns
-    (bytes this rank sent, S: the bytes of the padded fp32 parameters). DDP is its
-    all-reduce of the gradients (the ring, on the same gradients, flattened)."""
+    (bytes this rank sent, S). S is the bytes of the fp32 parameters, zero-padded to N equal
+    shards for the sharded strategies; DDP is its all-reduce of the gradients (the ring, on
+    the same gradients, flattened), and its S is not padded."""
     recorder = Recorder()
     net = mlp(settings).to(rank_device())
     x = torch.randn(settings.batch, settings.width,

@@ -587,3 +587,12 @@ def test_a_verdict_names_the_lowest_rank_that_failed_not_one_that_lost_its_peer(
     assert failing_rank(RankError(cause, [lost])).rank == 2
     assert failing_rank(RankError(cause, [lost, also])).rank == 1
     assert failing_rank(RankError(cause, [])).traceback == "Traceback 2"
+
+
+def test_the_partial_sum_diagnosis_names_the_ranks_and_gives_up_past_ten_ranks():
+    from labs.checks_collectives import _subset_sum
+
+    parts = [torch.full((3,), float(2 ** r)) for r in range(11)]  # every subset sum differs
+    assert _subset_sum(parts[0] + parts[2], parts[:4]) == (0, 2)
+    assert _subset_sum(torch.full((3,), -1.0), parts[:4]) is None
+    assert _subset_sum(parts[0], parts) is None  # 11 ranks: 2^11 sums are not tried

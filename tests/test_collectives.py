@@ -885,6 +885,47 @@ def test_reduce_scatter_and_all_gather_refuse_all_reduce_only_algorithms(algorit
         all_gather(torch.ones(4), algorithm=algorithm)
 
 
+def refusals_of_torch_paths(rank: int, world_size: int) -> dict[str, str]:
+    """On every rank: a shard of the wrong length for numel=5 over 2 ranks (chunks 3 and 2),
+    and a Recorder given to torch's built-ins; then one built-in all-reduce, which completes
+    only if no rank was left inside a collective."""
+    wrong_shard = torch.ones(2 if rank == 0 else 3)
+    calls = {
+        f"all_gather({a.name}) of a wrong shard":
+            (lambda a=a: all_gather(wrong_shard, numel=5, algorithm=a))
+        for a in (Algorithm.RING, Algorithm.TORCH)
+    }
+    calls |= {
+        "all_reduce(TORCH) with a Recorder":
+            lambda: all_reduce(torch.ones(4), algorithm=Algorithm.TORCH, recorder=Recorder()),
+        "reduce_scatter(TORCH) with a Recorder":
+            lambda: reduce_scatter(torch.ones(4), algorithm=Algorithm.TORCH, recorder=Recorder()),
+        "all_gather(TORCH) with a Recorder":
+            lambda: all_gather(torch.ones(2), algorithm=Algorithm.TORCH, recorder=Recorder()),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    errors["built-in all_reduce afterwards"] = str(after.item())
+    return errors
+
+
+def test_torchs_paths_refuse_what_the_ring_refuses_and_a_recorder_they_cannot_feed():
+    results = launch(refusals_of_torch_paths, 2, backend="gloo", echo=False, timeout=TIMEOUT)
+    for rank, errors in enumerate(results):
+        assert errors.pop("built-in all_reduce afterwards") == "2.0"
+        ring, torch_ = (errors.pop(f"all_gather({a}) of a wrong shard") for a in ("RING", "TORCH"))
+        assert ring == torch_ == (f"rank {rank}: shard has {2 + rank} elements but chunk {rank} "
+                                  f"of 5 over 2 ranks has {3 - rank} (shard_bounds).")
+        assert all("pass recorder=None with Algorithm.TORCH" in e for e in errors.values()), errors
+
+
 def pass_right(rank: int, world_size: int) -> list[float]:
     """Two ring steps with exchange: each rank ends holding the values of rank - 2."""
     held = torch.full((3,), float(rank))
