@@ -34,7 +34,7 @@ from labs.collectives import (
     Algorithm,
     Collective,
 )
-from labs.launch import MAX_WORLD_SIZE, Backend
+from labs.launch import MAX_WORLD_SIZE, Backend, cpu_cores
 from labs.timing import (
     COMM_THREADS,
     DTYPES,
@@ -410,8 +410,7 @@ def write_timings(timings: Sequence[CollectiveTiming], path: Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     records = [t.as_record() for t in timings]
     if path.suffix == ".json":
-        meta = {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                else os.cpu_count(), "torch": torch.__version__,
+        meta = {"cores": cpu_cores(), "torch": torch.__version__,
                 "python": platform.python_version(), "machine": platform.machine()}
         document = {"machine": meta, "timings": records}
         if settings is not None:
@@ -594,8 +593,8 @@ def collectives_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) 
         print(line, file=sys.stderr)
     if not plan:
         parser.error("nothing to run on this machine (see above).")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    crowded = [n for b, n in plan if b is Backend.GLOO and cores is not None and n > cores]
+    cores = cpu_cores()
+    crowded = [n for b, n in plan if b is Backend.GLOO and n > cores]
     if crowded:
         print(f"note: {cores} CPU cores; gloo at world size {', '.join(map(str, crowded))} "
               "runs more ranks than cores, so ranks also wait for a core.", file=sys.stderr)

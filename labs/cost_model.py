@@ -28,7 +28,6 @@ predicted beside the prediction, so where the model is wrong is visible, not hid
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from labs.collectives import Algorithm, Collective
-from labs.launch import launch
+from labs.launch import cpu_cores, launch
 from labs.timing import (
     COMM_THREADS,
     P2PPattern,
@@ -184,12 +183,6 @@ def _cost_points(
     return p2p, adds
 
 
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def alpha_beta_from_points(
     points: Sequence[PointTiming], reduce_points: Sequence[PointTiming] = (), *,
     statistic: Statistic = Statistic.MIN, pattern: P2PPattern = P2PPattern.EXCHANGE,
@@ -252,7 +245,7 @@ def fit_alpha_beta(
                      backend=backend, timeout=timeout, echo=False, threads=threads)
     p2p, adds = results[0]
     return alpha_beta_from_points(p2p, adds, statistic=statistic, pattern=pattern,
-                                  world_size=world_size, cores=_cores(),
+                                  world_size=world_size, cores=cpu_cores(),
                                   backend=results.backend.value)
 
 

@@ -389,10 +389,16 @@ def _serialise(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
         ) from exc
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _threads_per_rank(world_size: int) -> int:
     # N ranks with the default thread count each would oversubscribe the cores many times over.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // world_size)
+    return max(1, cpu_cores() // world_size)
 
 
 # --- the rank side --------------------------------------------------------------------------
