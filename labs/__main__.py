@@ -21,6 +21,7 @@ the workers are the same functions the notebooks launch, with the same settings 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from labs.bench_collectives import add_case_arguments, settings_from_args, sweep_tables
-from labs.ddp_experiments import StepSettings
 from labs.launch import launch, run_torchrun, under_torchrun
 from labs.timing import time_collectives
 from labs.toy_allreduce import (
@@ -42,7 +42,7 @@ from labs.toy_allreduce import (
 from labs.train import TrainConfig, TrainResult, Wrapper, check_resume, train_worker
 from labs.viz import format_table, toy_table
 from labs.viz_zero import memory_table, traffic_table
-from labs.zero_experiments import Strategy, lab_worker
+from labs.zero_experiments import LAB_SETTINGS, Strategy, lab_worker
 
 
 def _run(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
@@ -115,8 +115,8 @@ def _ddp(opts: argparse.Namespace, world_size: int) -> None:
 
 def _zero(opts: argparse.Namespace, world_size: int) -> None:
     """Chapter 6: what each ZeRO stage keeps per parameter and sends per step, measured."""
-    settings = StepSettings(width=opts.width, layers=opts.layers, batch=opts.batch,
-                            steps=opts.steps, warmup=0)
+    settings = dataclasses.replace(LAB_SETTINGS, width=opts.width, layers=opts.layers,
+                                   batch=opts.batch, steps=opts.steps)
     strategies = tuple(dict.fromkeys(_STRATEGIES[name] for name in opts.strategies))
     results = _run(lab_worker, world_size, (settings, strategies), opts.backend,
                    timeout=opts.timeout)
@@ -194,10 +194,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                           "of DDP, ZeRO-1, ZeRO-2 and FSDP, measured")
     zero.add_argument("--strategies", nargs="+", choices=list(_STRATEGIES),
                       default=list(_STRATEGIES), help="which to run (default: all)")
-    zero.add_argument("--width", type=int, default=256, help="width of the MLP's layers")
-    zero.add_argument("--layers", type=int, default=8, help="Linear layers in the MLP")
-    zero.add_argument("--batch", type=int, default=8, help="rows per rank")
-    zero.add_argument("--steps", type=int, default=2,
+    zero.add_argument("--width", type=int, default=LAB_SETTINGS.width,
+                      help="width of the MLP's layers (default: chapter 6's)")
+    zero.add_argument("--layers", type=int, default=LAB_SETTINGS.layers,
+                      help="Linear layers in the MLP")
+    zero.add_argument("--batch", type=int, default=LAB_SETTINGS.batch, help="rows per rank")
+    zero.add_argument("--steps", type=int, default=LAB_SETTINGS.steps,
                       help="Adam steps per strategy (the last one is measured)")
     zero.add_argument("--timeout", type=float, default=600.0,
                       help="seconds before local ranks are killed (ignored under torchrun)")

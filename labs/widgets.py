@@ -25,7 +25,13 @@ from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
 from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
 from labs.viz_zero import calculator_table, plot_calculator, plot_step_memory
-from labs.zero_experiments import Recipe, Strategy, measure_memory, measure_traffic
+from labs.zero_experiments import (
+    LAB_SETTINGS,
+    Recipe,
+    Strategy,
+    measure_memory,
+    measure_traffic,
+)
 
 
 def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
@@ -274,7 +280,7 @@ def zero_panel(world_size: int = 4, strategy: Strategy = Strategy.ZERO3,
                settings: StepSettings | None = None) -> None:
     """World size, ZeRO stage and model width -> one measured step: memory over time and
     traffic. The default run is shown at once, as ordinary output."""
-    base = settings or StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
+    base = settings or LAB_SETTINGS
     size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
     stage = w.Dropdown(options=[(s.value, s) for s in Strategy], value=strategy,
                        description="stage", layout=w.Layout(width="260px"))

@@ -24,6 +24,10 @@ from labs.launch import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 
+#: Chapter 6's experiment: an MLP of 8 x Linear(64, 64), 8 rows per rank, 2 Adam steps (the
+#: last one measured). The notebook, its panel and ``python -m labs zero`` start from it.
+LAB_SETTINGS = StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
+
 
 class Strategy(enum.Enum):
     """How the ranks share the training state (the ZeRO stage)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from labs import __main__ as labs_cli
 from labs.ddp_experiments import StepSettings
 from labs.zero_experiments import (
+    LAB_SETTINGS,
     Group,
     Recipe,
     Strategy,
@@ -139,3 +141,12 @@ def test_lab_zero_refuses_bad_settings_before_any_rank_starts(monkeypatch, capsy
         labs_cli.main(["zero", "--width", "0"])
     assert exit_info.value.code == 2
     assert "width must be a positive int" in capsys.readouterr().err
+
+
+def test_lab_zero_defaults_to_chapter_6s_experiment(monkeypatch):
+    seen = []
+    monkeypatch.setattr(labs_cli, "_run", lambda fn, n, args, *rest, **kw: seen.append(args))
+    labs_cli.main(["zero", "--world-size", "2"])
+    labs_cli.main(["zero", "--world-size", "2", "--width", "32", "--steps", "3"])
+    assert seen[0][0] == LAB_SETTINGS
+    assert seen[1][0] == dataclasses.replace(LAB_SETTINGS, width=32, steps=3)

@@ -44,7 +44,7 @@ from torch import nn
 from labs import launch, rank_device
 from labs.checks import check_fsdp_linear_forward, check_reduce_scatter_grad, check_sharded_sgd_step
 from labs.collectives import Algorithm, Recorder, ring_all_gather, ring_reduce_scatter
-from labs.ddp_experiments import StepSettings, mlp
+from labs.ddp_experiments import mlp
 from labs.fsdp import FSDP, Event
 from labs.fsdp_torch import (
     CompareSettings, Sharding, compare_on_ranks, fully_shard_available, held_table,
@@ -58,7 +58,7 @@ from labs.viz_zero import (
 from labs.widgets import memory_calculator, zero_panel
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 from labs.zero_experiments import (
-    Group, Recipe, Strategy, bytes_per_parameter, max_parameters, measure_memory,
+    LAB_SETTINGS, Group, Recipe, Strategy, bytes_per_parameter, max_parameters, measure_memory,
     measure_traffic,
 )
 """),
@@ -100,7 +100,7 @@ chapter's MLP from a different seed (the optimizer broadcasts rank 0's values), 
 Adam steps on its share, $1/N$, of one batch, and is compared with a single process:
 """),
     code("""
-SETTINGS = StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
+SETTINGS = LAB_SETTINGS  # 8 x Linear(64, 64), 8 rows per rank; python -m labs zero's default
 BATCH = torch.randn(16, SETTINGS.width, generator=torch.Generator().manual_seed(1))
 
 def train_zero(rank, world_size, stage, steps=3):
