@@ -3,10 +3,10 @@
     python -m labs toy --world-size 4 --grads 0.1 -0.2 0.4 -0.1
     torchrun --nproc_per_node=4 -m labs toy --grads 0.1 -0.2 0.4 -0.1
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 \\
-        --master_addr=HOST --master_port=29500 -m labs grads
+        --master_addr=HOST --master_port=PORT -m labs grads
     python -m labs collectives --world-size 4 --collectives all-reduce --sizes 1M 16M
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=1 \\
-        --master_addr=HOST --master_port=29500 -m labs collectives --sizes 64M
+        --master_addr=HOST --master_port=PORT -m labs collectives --sizes 64M
     python -m labs ddp --world-size 2 --steps 60 --wrapper ours
     python -m labs ddp --world-size 2 --steps 20 --checkpoint run.pt --checkpoint-every 10
     python -m labs ddp --world-size 2 --steps 40 --checkpoint run.pt --resume
@@ -14,8 +14,10 @@
     python -m labs zero --world-size 4 --width 256 --layers 8
     torchrun --standalone --nproc_per_node=8 -m labs zero --width 2048 --layers 16
 
-Under torchrun the world size comes from torchrun and the results are printed by rank 0;
-the workers are the same functions the notebooks launch, with the same settings objects.
+Across nodes, run the same command on every node with its own --node_rank; HOST is node 0's
+address and PORT a free port on it. Under torchrun the world size comes from torchrun and the
+results are printed by rank 0; the workers are the same functions the notebooks launch, with
+the same settings objects.
 """
 
 from __future__ import annotations

@@ -27,10 +27,11 @@ comparisons happen in this process (with messages naming the case, variant and r
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import cloudpickle
@@ -885,6 +886,23 @@ def test_reduce_scatter_and_all_gather_refuse_all_reduce_only_algorithms(algorit
         all_gather(torch.ones(4), algorithm=algorithm)
 
 
+def refusals_then_all_reduce(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
+    """Each call's ValueError message (or "no error"), then one built-in all-reduce of ones
+    under "built-in all_reduce afterwards": it completes only if no rank was left inside a
+    collective."""
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    errors["built-in all_reduce afterwards"] = str(after.item())
+    return errors
+
+
 def refusals_of_torch_paths(rank: int, world_size: int) -> dict[str, str]:
     """On every rank: a shard of the wrong length for numel=5 over 2 ranks (chunks 3 and 2),
     and a Recorder given to torch's built-ins; then one built-in all-reduce, which completes
@@ -903,17 +921,7 @@ def refusals_of_torch_paths(rank: int, world_size: int) -> dict[str, str]:
         "all_gather(TORCH) with a Recorder":
             lambda: all_gather(torch.ones(2), algorithm=Algorithm.TORCH, recorder=Recorder()),
     }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = "no error"
-        except ValueError as error:
-            errors[name] = str(error)
-    after = torch.ones(1)
-    dist.all_reduce(after)
-    errors["built-in all_reduce afterwards"] = str(after.item())
-    return errors
+    return refusals_then_all_reduce(calls)
 
 
 def test_torchs_paths_refuse_what_the_ring_refuses_and_a_recorder_they_cannot_feed():
@@ -948,17 +956,9 @@ def send_meta_tensors(rank: int, world_size: int) -> dict[str, str]:
              for a in Algorithm if a is not Algorithm.TORCH}
     calls["ring_reduce_scatter"] = ring_reduce_scatter
     calls["ring_all_gather"] = ring_all_gather
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call(torch.ones(8, device="meta"))
-            errors[name] = "no error"
-        except ValueError as error:
-            errors[name] = str(error)
-    after = torch.ones(1)
-    dist.all_reduce(after)
-    errors["built-in all_reduce afterwards"] = str(after.item())
-    return errors
+    meta = torch.ones(8, device="meta")
+    return refusals_then_all_reduce({name: functools.partial(call, meta)
+                                     for name, call in calls.items()})
 
 
 def test_a_tensor_gloo_cannot_send_is_refused_on_every_rank_before_any_message():
