@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP
+from labs.ddp_experiments import Implementation, wrap
 from labs.launch import rank_device
 from labs.toy_allreduce import EXAMPLE_SENTENCES
 
@@ -247,17 +247,6 @@ class TrainResult:
 # --- the training loop --------------------------------------------------------------------------
 
 
-def wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
-    """``model`` (already on ``device``) inside the wrapper ``config.wrapper`` names."""
-    if config.wrapper is Wrapper.NAIVE:
-        return NaiveDDP(model)
-    if config.wrapper is Wrapper.OURS:
-        return DDP(model, bucket_cap_mb=config.bucket_cap_mb)
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids,
-                                   bucket_cap_mb=config.bucket_cap_mb)
-
-
 def micro_batches(config: TrainConfig, rank: int, world_size: int, start_step: int
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches from optimizer step ``start_step`` on, forever.
@@ -299,7 +288,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     Per step and rank: ``accumulation`` forward/backward passes on ``batch_size`` windows,
     one gradient synchronisation (after the last micro-batch), one AdamW step. A resumed run
     repeats an uninterrupted one exactly when world size, batch size, accumulation and seed
-    are the ones the checkpoint was written with (they fix the data order)."""
+    are the ones the checkpoint was written with (they fix the data order); a resume with
+    others is refused (:func:`check_resume`)."""
     config.steps_per_epoch(world_size)  # refuse an impossible batch before any collective
     device = rank_device()
     model = config.model().to(device)
@@ -307,7 +297,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     start_step = 0
     if config.resume:
         start_step = _load_checkpoint(config, model, optimizer, device, world_size)
-    ddp = wrap(model, config, device)
+    ddp = wrap(Implementation[config.wrapper.name], model, config.bucket_cap_mb)
     # labs' wrappers synchronise in finish_gradient_synchronization(); torch's inside backward.
     ours = isinstance(ddp, (NaiveDDP, DDP))
     batches = micro_batches(config, rank, world_size, start_step)
