@@ -1,0 +1,60 @@
+"""The library code a chapter shows is the library's code now.
+
+A chapter shows a `labs` function with ``display(Code(inspect.getsource(f)))``. nbval does
+not compare that output (the cell is not a check), so after an edit of ``f`` the committed
+notebook would go on showing the old code until someone re-executed it. This test compares
+each stored listing with ``inspect.getsource`` of the same object today.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def listings(path: Path) -> list[tuple[str, str]]:
+    """(expression, stored text) of every ``display(Code(inspect.getsource(EXPR), ...))``."""
+    found = []
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "getsource" and node.args):
+                stored = [o for o in cell["outputs"] if "text/plain" in o.get("data", {})]
+                assert len(stored) == 1, f"{path.name}: no single listing for {source!r}"
+                found.append((ast.unparse(node.args[0]), "".join(stored[0]["data"]["text/plain"])))
+    return found
+
+
+def labs_namespace(path: Path) -> dict[str, object]:
+    """Every name the notebook imports from ``labs``."""
+    namespace: dict[str, object] = {}
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            for node in ast.parse("".join(cell["source"])).body:
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labs"):
+                    exec(compile(ast.Module([node], []), path.name, "exec"), namespace)
+    return namespace
+
+
+CASES = [(path, expr, stored) for path in NOTEBOOKS for expr, stored in listings(path)]
+
+
+def test_the_book_shows_library_code():
+    assert len(CASES) >= 6, [(p.name, e) for p, e, _ in CASES]
+
+
+@pytest.mark.parametrize("path, expr, stored", CASES,
+                         ids=[f"{p.stem}:{e}" for p, e, _ in CASES])
+def test_a_listing_is_the_current_source(path, expr, stored):
+    current = inspect.getsource(eval(expr, labs_namespace(path)))  # noqa: S307
+    assert stored.rstrip() == current.rstrip(), (f"{path.name} shows an old {expr}: re-execute it "
+                               f"(python tools/make_*.py, then jupyter execute --inplace)")
