@@ -45,7 +45,7 @@ test-slow: $(STAMP)
 # Re-execute the notebooks in place: their committed outputs are what nbval compares against.
 notebooks: $(STAMP)
 	for script in tools/make_*.py; do $(BIN)/python $$script || exit 1; done
-	$(BIN)/jupyter execute --inplace --timeout=600 --NotebookClient.record_timing=False notebooks/*.ipynb
+	$(BIN)/python tools/execute_notebooks.py notebooks/*.ipynb
 
 lint: $(STAMP)
 	$(BIN)/ruff check labs tests tools

@@ -57,4 +57,30 @@ def test_the_book_shows_library_code():
 def test_a_listing_is_the_current_source(path, expr, stored):
     current = inspect.getsource(eval(expr, labs_namespace(path)))  # noqa: S307
     assert stored.rstrip() == current.rstrip(), (f"{path.name} shows an old {expr}: re-execute it "
-                               f"(python tools/make_*.py, then jupyter execute --inplace)")
+                               f"(python tools/make_*.py, then python tools/execute_notebooks.py)")
+
+
+def test_notebooks_are_stored_without_timing_metadata():
+    timed = [(path.name, i) for path in NOTEBOOKS
+             for i, cell in enumerate(json.loads(path.read_text())["cells"])
+             if "execution" in cell.get("metadata", {})]
+    assert not timed, (f"cells with execution timestamps (re-execute with "
+                       f"tools/execute_notebooks.py, or --strip-only them): {timed[:5]}")
+
+
+def test_execute_notebooks_runs_in_place_and_stores_no_timing(tmp_path):
+    import nbformat
+
+    from tools.execute_notebooks import main
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import os\nprint(6 * 7)"),
+                                         nbformat.v4.new_code_cell("print(os.getcwd())")])
+    nb.cells[0].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nb, path)
+    main([str(path)])
+    done = nbformat.read(path, as_version=4)
+    assert [c.outputs[0].text for c in done.cells] == ["42\n", f"{tmp_path}\n"]
+    assert not any("execution" in c.metadata for c in done.cells)
