@@ -32,6 +32,11 @@ from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, RankFailure, l
 
 #: How long one check launch may run before the learner's code is declared hung.
 CHECK_TIMEOUT_S = 10.0
+#: Once a rank of a check has failed, how long the others get to report: ranks that fail the
+#: same way, late on a busy machine, are then all seen, and the verdict (the lowest of them,
+#: :func:`failing_rank`) is the same every run. The launcher stops waiting as soon as every
+#: rank has reported.
+CHECK_FAILURE_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -233,6 +238,7 @@ def check_average_gradients(
                 _run_average_gradients, world_size,
                 args=(average_gradients, seed, plan.widths),
                 timeout=timeout, echo=False, backend="gloo",  # CPU tensors, even on GPU boxes
+                failure_grace=CHECK_FAILURE_GRACE_S,
             )
         except RankError as err:
             named = failing_rank(err)

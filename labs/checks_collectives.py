@@ -38,6 +38,7 @@ from torch.distributed import distributed_c10d
 
 from labs.checks import (
     CASE_NOTE,
+    CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
     _report,
@@ -685,7 +686,7 @@ def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int
         try:
             # gloo even where there are GPUs: the inputs are CPU tensors.
             results = launch(_rank_run, n, args=(fn, exercise, cases, seed), backend="gloo",
-                             timeout=timeout, echo=False)
+                             timeout=timeout, echo=False, failure_grace=CHECK_FAILURE_GRACE_S)
         except RankError as err:
             return fail(_explain_error(exercise, n, cases, err))
         except LaunchTimeout as err:

@@ -47,6 +47,7 @@ from torch.distributed import distributed_c10d
 
 from labs.checks import (
     CASE_NOTE,
+    CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
     _report,
@@ -855,7 +856,8 @@ def _check(exercise: DDPExercise, wrapper_class: type, world_sizes: Sequence[int
             # gloo even where there are GPUs: the check model lives on the CPU.
             results = launch(_rank_run, n, args=(wrapper_class, exercise, plan.cases,
                                                  plan.widths, seed),
-                             backend="gloo", timeout=timeout, echo=False)
+                             backend="gloo", timeout=timeout, echo=False,
+                             failure_grace=CHECK_FAILURE_GRACE_S)
         except RankError as err:
             return fail(_explain_error(plan, n, err))
         except LaunchTimeout as err:

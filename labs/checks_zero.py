@@ -54,6 +54,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from labs.checks import (
     CASE_NOTE,
+    CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
     _report,
@@ -809,7 +810,8 @@ def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence
         try:
             # gloo even where there are GPUs: the inputs are CPU tensors.
             results = launch(_rank_run, n, args=(fn, exercise, plan.cases, seed),
-                             backend="gloo", timeout=timeout, echo=False)
+                             backend="gloo", timeout=timeout, echo=False,
+                             failure_grace=CHECK_FAILURE_GRACE_S)
         except RankError as err:
             return fail(_explain_error(plan, n, err))
         except LaunchTimeout as err:

@@ -211,6 +211,7 @@ def launch(
     echo: bool = True,
     threads: int | None = None,
     start_method: StartMethod = StartMethod.FORKSERVER,
+    failure_grace: float = _FAILURE_GRACE_S,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
 
@@ -231,6 +232,10 @@ def launch(
             Default: the machine's cores divided by ``world_size``, at least 1, so that N ranks
             computing at once do not oversubscribe the cores.
         start_method: how rank processes are created; keep the default.
+        failure_grace: seconds to wait, once a rank has failed, for the others to report
+            (or fail) before the rest are stopped. The exercise checks wait longer, so that
+            ranks failing the same way on a busy machine are all seen and their verdict
+            names the same rank every run.
 
     Raises:
         TypeError, ValueError: bad input, before any process starts.
@@ -240,6 +245,10 @@ def launch(
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(_MAIN_GUARD)
     chosen = _check_inputs(fn, world_size, args, backend, timeout)
+    if isinstance(failure_grace, bool) or not isinstance(failure_grace, (int, float)) \
+            or not 0 <= failure_grace < math.inf:
+        raise ValueError(f"failure_grace must be a number of seconds >= 0, got "
+                         f"{failure_grace!r}.")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int (or None for cores / world_size), "
@@ -268,7 +277,8 @@ def launch(
                 ranks.append(_Rank.start(ctx, payload, spec))
             # The clock starts once every rank exists: the first launch also starts the
             # forkserver, which imports torch (seconds on a GPU box), and that is no rank's fault.
-            outcome = _supervise(ranks, deadline=time.monotonic() + timeout)
+            outcome = _supervise(ranks, deadline=time.monotonic() + timeout,
+                                 grace=failure_grace)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
             _stop(ranks, outcome)
         stdout = [_read(spec.stdout_path) for spec in specs]
@@ -553,8 +563,10 @@ class _Timeout:
     ranks: list[int]
 
 
-def _supervise(ranks: list[_Rank], deadline: float) -> _Done | _Failed | _Timeout:
-    """Wait for every rank's report; stop at the first failure or at the deadline."""
+def _supervise(ranks: list[_Rank], deadline: float, grace: float
+               ) -> _Done | _Failed | _Timeout:
+    """Wait for every rank's report; stop ``grace`` seconds after the first failure (or
+    once every rank has reported), or at the deadline."""
     values: dict[int, bytes] = {}
     failures: list[RankFailure] = []
     pending = {r.spec.rank: r for r in ranks}
@@ -576,7 +588,7 @@ def _supervise(ranks: list[_Rank], deadline: float) -> _Done | _Failed | _Timeou
                 del pending[rank]
         if failures and give_up_at == deadline:
             # Give peers a moment to report, so the failure that came first can be named.
-            give_up_at = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+            give_up_at = min(deadline, time.monotonic() + grace)
     if failures:
         return _Failed(failures)
     if pending:

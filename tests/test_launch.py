@@ -323,6 +323,23 @@ def test_rank_that_raises_is_named_with_its_traceback(bad_rank):
     assert all(f.peer_lost for f in error.secondary), error.secondary
 
 
+def fail_late_on_rank_zero(rank: int, world_size: int) -> None:
+    """Every rank raises the same error, rank 0 a second after the others."""
+    if rank == 0:
+        time.sleep(1.0)
+    raise ValueError(f"the same bug on rank {rank}")
+
+
+@pytest.mark.parametrize("grace, seen", [(0.0, [1]), (5.0, [0, 1])])
+def test_failure_grace_decides_which_late_failures_are_seen(grace, seen):
+    """After the first failure the launcher waits ``failure_grace`` seconds for the others
+    (the checks wait long enough for ranks that fail the same way a little later)."""
+    with pytest.raises(RankError) as error:
+        launch(fail_late_on_rank_zero, 2, echo=False, failure_grace=grace)
+    assert sorted([error.value.rank] + [f.rank for f in error.value.secondary]) == seen
+    assert error.value.rank == 1  # the first to fail is named; the checks pick the lowest
+
+
 def die_in_one_rank(rank: int, world_size: int, how: str) -> float:
     dist.barrier()
     if rank == 1:
@@ -476,6 +493,8 @@ def case_id(value: object) -> str | None:
         ({"threads": 0}, ValueError, r"threads must be a positive int \(or None"),
         ({"threads": 1.5}, ValueError, r"threads must be a positive int \(or None"),
         ({"threads": True}, ValueError, r"threads must be a positive int \(or None"),
+        ({"failure_grace": -1}, ValueError, "failure_grace must be a number of seconds >= 0"),
+        ({"failure_grace": "2"}, ValueError, "failure_grace must be a number of seconds >= 0"),
         ({"args": 3}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
         ({"args": "abc"}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
         (
