@@ -99,10 +99,11 @@ class StepSettings:
 
 def mlp(settings: StepSettings, seed: int = 0) -> nn.Sequential:
     """The experiment's model, the same on every rank for the same seed."""
-    torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for _ in range(settings.layers):
-        layers += [nn.Linear(settings.width, settings.width), nn.ReLU()]
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
+        torch.manual_seed(seed)
+        for _ in range(settings.layers):
+            layers += [nn.Linear(settings.width, settings.width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 

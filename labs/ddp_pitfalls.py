@@ -26,10 +26,11 @@ class TwoHeads(nn.Module):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(seed)
-        self.trunk = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
-        self.aux_head = nn.Linear(8, 2)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
+            torch.manual_seed(seed)
+            self.trunk = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+            self.aux_head = nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
         h = torch.relu(self.trunk(x))
@@ -78,6 +79,7 @@ class ChangeAfterWrapping(enum.Enum):
     """``model.module.head = nn.Linear(...)`` on every rank: the new parameters are in no
     bucket, so their gradients are never averaged."""
     NOTHING = "no change"
+    """The control: the ranks stay equal."""
 
 
 def change_after_wrapping_worker(rank: int, world_size: int, change: ChangeAfterWrapping,
@@ -108,8 +110,11 @@ class Logging(enum.Enum):
     """Who prints the loss at a logging step."""
 
     EVERY_RANK = "every rank prints its own loss"
+    """N lines per logging step, each the loss of one rank's shard of the batch."""
     RANK_ZERO = "rank 0 prints its own loss"
+    """One line, but the loss of rank 0's shard only: noisier than the batch's loss."""
     RANK_ZERO_AVERAGED = "rank 0 prints the loss averaged over ranks"
+    """One line with the batch's loss: every rank joins an all-reduce, rank 0 prints."""
 
 
 def logging_worker(rank: int, world_size: int, mode: Logging) -> None:

@@ -28,6 +28,7 @@ from labs.ddp_experiments import (
 from labs.ddp_pitfalls import (
     ChangeAfterWrapping,
     Logging,
+    TwoHeads,
     change_after_wrapping_worker,
     checkpoint_worker,
     logging_worker,
@@ -38,6 +39,19 @@ from labs.viz_ddp import _covered, accumulation_table, sampler_table, step_time_
 
 SMALL = StepSettings(width=32, layers=3, batch=8, steps=2, warmup=1,
                      bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)  # one layer per bucket
+
+
+@pytest.mark.parametrize("build", [lambda seed: mlp(SMALL, seed), TwoHeads],
+                         ids=["mlp", "TwoHeads"])
+def test_models_follow_their_seed_and_leave_the_callers_random_state_alone(build):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first = [p.detach().clone() for p in build(5).parameters()]
+    assert torch.equal(torch.rand(3), expected)  # as if the model had not been built
+    again, other = list(build(5).parameters()), list(build(6).parameters())
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], other[0])
 
 
 @pytest.mark.parametrize("field, value", [("width", 0), ("steps", -1), ("warmup", -1),
