@@ -19,11 +19,13 @@ are importable from here too.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +53,8 @@ class CheckResult:
         return f"{'PASS' if self.passed else 'FAIL'}: {self.exercise}: {self.message}"
 
 
-def _report(result: CheckResult) -> CheckResult:
+def report(result: CheckResult) -> CheckResult:
+    """Print the verdict (what the learner reads in the notebook) and return it."""
     print(result)
     return result
 
@@ -120,6 +123,60 @@ def validate_run_arguments(world_sizes: object, seed: object, timeout: object, *
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
             0 < timeout < math.inf):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+
+
+def validate_check_call(fn: object, world_sizes: object, seed: object, timeout: object) -> None:
+    """:func:`validate_run_arguments`, and ``fn`` must be the learner's function itself."""
+    if not callable(fn):
+        raise TypeError(f"pass the function itself, e.g. check(my_function), not its result "
+                        f"(got {type(fn).__name__}).")
+    validate_run_arguments(world_sizes, seed, timeout)
+
+
+def signature_problem(function: str, parameters: Sequence[str], fn: Callable[..., Any]) -> str:
+    """Why ``fn`` cannot be called as ``function(*parameters)``, or "" when it can (or when
+    its signature cannot be read: the ranks then try it)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the ranks try it
+        return ""
+    try:
+        signature.bind(*parameters)
+    except TypeError:
+        params = ", ".join(parameters)
+        return (f"{function} must accept {len(parameters)} argument(s), ({params}); its "
+                f"signature is {signature}. Write def {function}({params}): ...")
+    return ""
+
+
+#: Case inputs are integers in [1, 9]: sums over at most 32 ranks are exact in float32, and a
+#: sum over some of the ranks is smaller than the sum over all of them in every element.
+_LOW, _HIGH = 1, 10
+
+
+def _mix(*parts: int) -> int:
+    value = 0x9E3779B9
+    for part in parts:
+        value = (value * 1_000_003 + part + 7) % (1 << 61)
+    return value
+
+
+def case_values(seed: int, n: int, index: int, who: int, numel: int) -> torch.Tensor:
+    """``numel`` integers in [1, 9] as float32 (1-D), a pure function of its arguments, so
+    that the parent and the ranks draw the same inputs: case ``index`` of world size ``n``,
+    for ``who`` (a rank, or a negative number for tensors no single rank owns)."""
+    generator = torch.Generator().manual_seed(_mix(seed, n, index, who))
+    return torch.randint(_LOW, _HIGH, (numel,), generator=generator).to(torch.float32)
+
+
+def first_difference(got: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+    """The first element (1-D index) where ``got`` differs from ``expected``, in words."""
+    i = int((got != expected).nonzero()[0, 0])
+    return f"element {i} is {float(got[i]):g}, expected {float(expected[i]):g} ({what})"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 # --- Exercise 1.1: average_gradients(model) ---------------------------------------------------
@@ -230,7 +287,7 @@ def check_average_gradients(
     plan = _AveragePlan.make(world_sizes, seed)
 
     def verdict(passed: bool, message: str) -> CheckResult:
-        return _report(CheckResult(name, passed, message + plan.note()))
+        return report(CheckResult(name, passed, message + plan.note()))
 
     for world_size in plan.world_sizes:
         try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import inspect
 import itertools
 import math
 import random
@@ -41,11 +40,15 @@ from labs.checks import (
     CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
-    _report,
+    case_values,
     clean_traceback,
     explain_hang,
     failing_rank,
-    validate_run_arguments,
+    first_difference,
+    ranks_text,
+    report,
+    signature_problem,
+    validate_check_call,
 )
 from labs.collectives import Collective, shard_bounds
 from labs.launch import LaunchTimeout, RankError, launch
@@ -68,9 +71,6 @@ _GROUP_COLLECTIVES = (
     "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather", "scatter",
 )
 _P2P = "dist.isend/irecv, send/recv, batch_isend_irecv"
-#: Inputs are integers in [1, 9]: sums over at most 32 ranks are exact in float32, and a sum
-#: over some of the ranks is smaller than the sum over all of them in every element.
-_LOW, _HIGH = 1, 10
 _BIG_NUMELS = (300, 301)  #: a few hundred elements: one divisible by N <= 6, one not
 _DRAWN_NUMELS = 3
 _DRAWN_MAX_NUMEL = 400
@@ -201,27 +201,14 @@ class _Plan:
         return f" [seed {self.seed} drew {extra}numels {numels}; pass seed={self.seed} to rerun]"
 
 
-def _mix(*parts: int) -> int:
-    value = 0x9E3779B9
-    for part in parts:
-        value = (value * 1_000_003 + part + 7) % (1 << 61)
-    return value
-
-
-def _values(seed: int, n: int, index: int, who: int, numel: int) -> torch.Tensor:
-    """Small integers as float32, a pure function of its arguments (parent and ranks agree)."""
-    generator = torch.Generator().manual_seed(_mix(seed, n, index, who))
-    return torch.randint(_LOW, _HIGH, (numel,), generator=generator).to(torch.float32)
-
-
 def _rank_input(seed: int, n: int, index: int, rank: int, case: _Case) -> torch.Tensor:
     """Rank ``rank``'s tensor (all-reduce, reduce-scatter)."""
-    return _values(seed, n, index, rank, case.numel).view(case.shape)
+    return case_values(seed, n, index, rank, case.numel).view(case.shape)
 
 
 def _gather_full(seed: int, n: int, index: int, case: _Case) -> torch.Tensor:
     """The tensor whose chunks the all-gather ranks hold (rank i holds chunk i)."""
-    return _values(seed, n, index, -1, case.numel)
+    return case_values(seed, n, index, -1, case.numel)
 
 
 # --- inside every rank ---------------------------------------------------------------------------
@@ -328,15 +315,6 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
-def _first_difference(got: torch.Tensor, expected: torch.Tensor, what: str) -> str:
-    i = int((got != expected).nonzero()[0, 0])
-    return f"element {i} is {_num(float(got[i]))}, expected {_num(float(expected[i]))} ({what})"
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 #: The diagnosis below tries every subset of ranks: 2^N sums, so it stops at this N.
 _SUBSET_SEARCH_MAX_N = 10
 
@@ -356,8 +334,8 @@ def _subset_sum(got: torch.Tensor, parts: Sequence[torch.Tensor]) -> tuple[int, 
 
 def _partial(ranks: tuple[int, ...], n: int) -> str:
     missing = [r for r in range(n) if r not in ranks]
-    return (f"the sum over rank(s) {_ranks_text(ranks)} only, missing rank(s) "
-            f"{_ranks_text(missing)}")
+    return (f"the sum over rank(s) {ranks_text(ranks)} only, missing rank(s) "
+            f"{ranks_text(missing)}")
 
 
 _STEPS_HINT = ("every chunk must collect all N contributions, which takes N-1 reduce-scatter "
@@ -400,7 +378,7 @@ def _judge_all_reduce(exercise: Exercise, n: int, inputs: list[torch.Tensor],
             if ranks is not None:
                 return (f"rank {r}: chunk {j} (elements {a}..{b - 1}) holds {_partial(ranks, n)}: "
                         f"{_STEPS_HINT}.")
-        return f"rank {r}: " + _first_difference(got, expected, "the sum over all ranks") + "."
+        return f"rank {r}: " + first_difference(got, expected, "the sum over all ranks") + "."
     return ""
 
 
@@ -453,7 +431,7 @@ def _judge_reduce_scatter(n: int, inputs: list[torch.Tensor], outcomes: list[_Ou
         ranks = _subset_sum(got, [x.reshape(-1)[bounds[r]:bounds[r + 1]] for x in inputs])
         if ranks is not None:
             return f"rank {r}: returned {_partial(ranks, n)}: {_STEPS_HINT}."
-        return f"rank {r}: " + _first_difference(got, chunk[r], f"chunk {r} of the sum") + "."
+        return f"rank {r}: " + first_difference(got, chunk[r], f"chunk {r} of the sum") + "."
     for r, out in enumerate(outcomes):
         if not torch.equal(out.after, inputs[r]):
             before, now = inputs[r].reshape(-1), out.after.reshape(-1)
@@ -501,10 +479,10 @@ def _judge_all_gather(n: int, full: torch.Tensor, outcomes: list[_Outcome]) -> s
                     "arrived. The ring takes N-1 steps: each rank sends a shard to its right "
                     "neighbour and stores the one from its left, then forwards that one on.")
         if placed:
-            return (f"rank {r}: the shard(s) of rank(s) {_ranks_text(missing)} never arrived; "
+            return (f"rank {r}: the shard(s) of rank(s) {ranks_text(missing)} never arrived; "
                     "the ring takes N-1 steps, each forwarding the shard received in the step "
                     "before.")
-        return f"rank {r}: " + _first_difference(got, full, "the gathered tensor") + "."
+        return f"rank {r}: " + first_difference(got, full, "the gathered tensor") + "."
     for r, out in enumerate(outcomes):
         if not torch.equal(out.after, chunk[r]):
             return (f"rank {r}: the right result, but its shard was changed; an all-gather "
@@ -639,7 +617,7 @@ def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,
     verdict, where = explain_hang(n, err, timeout)
     if verdict is not None:
         return verdict
-    return (f"with {n} rank(s) (numel {numels}), rank(s) {_ranks_text(err.ranks)} hung for "
+    return (f"with {n} rank(s) (numel {numels}), rank(s) {ranks_text(err.ranks)} hung for "
             f"{timeout:g} s.{where} Every send needs a matching receive: on a ring, post the "
             "receive (dist.irecv) before waiting on the send, or use dist.batch_isend_irecv for "
             "each step; a blocking dist.send or dist.recv on every rank at once waits forever.")
@@ -648,37 +626,15 @@ def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,
 # --- the checks ------------------------------------------------------------------------------
 
 
-def _validate(fn: object, world_sizes: object, seed: object, timeout: object) -> None:
-    if not callable(fn):
-        raise TypeError(f"pass the function itself, e.g. check(my_function), not its result "
-                        f"(got {type(fn).__name__}).")
-    validate_run_arguments(world_sizes, seed, timeout)
-
-
-def _signature_problem(exercise: Exercise, fn: Callable[..., Any]) -> str:
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: let the ranks try it
-        return ""
-    try:
-        signature.bind(*exercise.parameters)
-    except TypeError:
-        params = ", ".join(exercise.parameters)
-        return (f"{exercise.function} must accept {len(exercise.parameters)} argument(s), "
-                f"({params}); its signature is {signature}. Write "
-                f"def {exercise.function}({params}): ...")
-    return ""
-
-
 def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int], seed: int,
            timeout: float) -> CheckResult:
-    _validate(fn, world_sizes, seed, timeout)
+    validate_check_call(fn, world_sizes, seed, timeout)
     plan = _Plan.make(world_sizes, seed)
 
     def fail(message: str) -> CheckResult:
-        return _report(CheckResult(exercise.title, False, message + plan.note()))
+        return report(CheckResult(exercise.title, False, message + plan.note()))
 
-    problem = _signature_problem(exercise, fn)
+    problem = signature_problem(exercise.function, exercise.parameters, fn)
     if problem:
         return fail(problem)
     for n in plan.world_sizes:
@@ -705,7 +661,7 @@ def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int
     if exercise is not Exercise.RING_ALL_GATHER:
         shapes += ", and a 2-D (3, 2N) tensor"
     bound = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
-    return _report(CheckResult(
+    return report(CheckResult(
         exercise.title, True,
         f"{what}, with {sizes} rank(s) and numel {shapes}; no rank sent more than "
         f"{_chunk_count(exercise)} chunks of ceil(numel/N) elements (the ring's {bound}, "

@@ -50,10 +50,10 @@ from labs.checks import (
     CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
-    _report,
     clean_traceback,
     explain_hang,
     failing_rank,
+    report,
     validate_run_arguments,
 )
 from labs.launch import LaunchTimeout, RankError, launch
@@ -214,13 +214,18 @@ def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
 class _Rule(enum.Enum):
     """The bucket rule of exercise 5.2 and the mistakes a learner makes with it."""
 
-    #: Trainable parameters in reverse registration order; close a bucket at >= the cap.
     RIGHT = "right"
+    """Trainable parameters in reverse registration order; close a bucket at >= the cap."""
     REGISTRATION_ORDER = "registration order"
+    """Walks the parameters in registration order, not the order backward produces them."""
     STRICTLY_MORE = "strictly more"
+    """Closes a bucket only once it holds more than the cap (> instead of >=)."""
     BEFORE_APPEND = "before append"
+    """Closes a bucket before the parameter that would overflow it, not after."""
     ELEMENTS = "elements"
+    """Compares the cap with a count of elements instead of bytes."""
     FROZEN_INCLUDED = "frozen included"
+    """Buckets the frozen parameters too, which never get a gradient."""
 
     @property
     def hint(self) -> str:
@@ -844,7 +849,7 @@ def _check(exercise: DDPExercise, wrapper_class: type, world_sizes: Sequence[int
     plan = _Plan.make(exercise, world_sizes, seed)
 
     def fail(message: str) -> CheckResult:
-        return _report(CheckResult(exercise.title, False, message + plan.note()))
+        return report(CheckResult(exercise.title, False, message + plan.note()))
 
     problem = _interface_problem(exercise, wrapper_class)
     if problem:
@@ -878,7 +883,7 @@ def _check(exercise: DDPExercise, wrapper_class: type, world_sizes: Sequence[int
         message = (f"parameters match one process on the full batch on {ranks} rank(s); "
                    f"bucket caps of {_and(caps)} gave {_and(counts)} all-reduces per step, in "
                    "bucket order, all launched asynchronously during backward")
-    return _report(CheckResult(exercise.title, True, f"{message}.{plan.note()}"))
+    return report(CheckResult(exercise.title, True, f"{message}.{plan.note()}"))
 
 
 def _and(items: Sequence[str]) -> str:

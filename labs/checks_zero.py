@@ -57,19 +57,17 @@ from labs.checks import (
     CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
-    _report,
+    case_values,
     clean_traceback,
     explain_hang,
     failing_rank,
+    first_difference,
+    ranks_text,
+    report,
+    signature_problem,
+    validate_check_call,
 )
-from labs.checks_collectives import (
-    CollectiveUsedError,
-    _first_difference,
-    _ranks_text,
-    _signature_problem,
-    _validate,
-    _values,
-)
+from labs.checks_collectives import CollectiveUsedError
 from labs.launch import LaunchTimeout, RankError, launch
 from labs.memory import AllocationTracker
 from labs.zero import shard_numel
@@ -225,24 +223,24 @@ class _Plan:
 
 
 def _start_param(seed: int, n: int, index: int, i: int, shape: tuple[int, ...]) -> torch.Tensor:
-    return _values(seed, n, index, 100 + i, _numel(shape)).view(shape)
+    return case_values(seed, n, index, 100 + i, _numel(shape)).view(shape)
 
 
 def _step_grad(seed: int, n: int, index: int, step: int, i: int,
                shape: tuple[int, ...]) -> torch.Tensor:
-    return _values(seed, n, index, 1000 * (step + 1) + i, _numel(shape)).view(shape)
+    return case_values(seed, n, index, 1000 * (step + 1) + i, _numel(shape)).view(shape)
 
 
 def _linear_inputs(seed: int, n: int, index: int, case: _Case
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The padded flat vector ``cat(weight.flatten(), bias)`` of 6.2 and its input x."""
     (out_features, in_features), _ = case.shapes
-    flat = _values(seed, n, index, -1, case.numel)
-    return _padded(flat, n), _values(seed, n, index, -2, BATCH * in_features).view(BATCH, -1)
+    flat = case_values(seed, n, index, -1, case.numel)
+    return _padded(flat, n), case_values(seed, n, index, -2, BATCH * in_features).view(BATCH, -1)
 
 
 def _rank_grad(seed: int, n: int, index: int, rank: int, case: _Case) -> torch.Tensor:
-    return _values(seed, n, index, rank, case.numel).view(case.shapes[0])
+    return case_values(seed, n, index, rank, case.numel).view(case.shapes[0])
 
 
 # --- inside every rank ---------------------------------------------------------------------------
@@ -252,9 +250,13 @@ class _Kind(enum.Enum):
     """What a ``ProcessGroup`` call is, for its cost."""
 
     ALL_GATHER = "all-gather"
+    """Costs (N-1)/N of the gathered output."""
     REDUCE_SCATTER = "reduce-scatter"
+    """Costs (N-1)/N of the full input."""
     ALL_REDUCE = "all-reduce"
-    OTHER = "other"  #: a send, a broadcast, ...: the bytes of the tensors passed
+    """Costs 2(N-1)/N of the tensor (a ring's reduce-scatter and all-gather)."""
+    OTHER = "other"
+    """A send, a broadcast, ...: the bytes of the tensors passed."""
 
 
 _GROUP_METHODS = {
@@ -529,7 +531,7 @@ def _judge_momentum(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tenso
         return (f"momentum_shards[{i}] holds the momentum of {_elements(other[0], k)}, not "
                 f"of this rank's {_elements(r, k)}: rank r owns elements [r*k, (r+1)*k) of "
                 f"the flattened, zero-padded parameter, k = ceil(numel / N) = {k}.")
-    return (f"momentum_shards[{i}]: " + _first_difference(got, _shard(want, n, r), (
+    return (f"momentum_shards[{i}]: " + first_difference(got, _shard(want, n, r), (
         f"m = beta * m + g_shard on {_elements(r, k)}")) + ".")
 
 
@@ -550,7 +552,7 @@ def _judge_param(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
                 "updated; the other shards still hold the old values. All-gather the updated "
                 "shards, so that every rank holds the whole updated parameter.")
     q, a, b = wrong[0]
-    return (f"parameter {i}, {_elements(q, k)}: " + _first_difference(
+    return (f"parameter {i}, {_elements(q, k)}: " + first_difference(
         flat[a:b], ok[a:b], f"after the all-gather, shard {q} holds rank {q}'s update") + ".")
 
 
@@ -609,7 +611,7 @@ def _judge_forward(n: int, index: int, case: _Case, seed: int,
         )
         hint = next((h for value, h in candidates if torch.equal(got, value)
                      and not torch.equal(value, want)), "")
-        return f"rank {r}: " + (hint or _first_difference(
+        return f"rank {r}: " + (hint or first_difference(
             got.reshape(-1), want.reshape(-1), "F.linear(x, weight, bias) with the gathered "
             "weight and bias") + ".")
     return ""
@@ -661,7 +663,7 @@ def _judge_grad(n: int, index: int, case: _Case, seed: int, calls: Sequence[list
         if n > 1 and divisor:
             return (f"rank {r}: returned the sum divided by {divisor}, not by the world size {n}: "
                     "divide by dist.get_world_size().")
-        return f"rank {r}: " + _first_difference(got, want, f"{_elements(r, k)} of the mean") + "."
+        return f"rank {r}: " + first_difference(got, want, f"{_elements(r, k)} of the mean") + "."
     return ""
 
 
@@ -759,7 +761,7 @@ def _explain_timeout(plan: _Plan, n: int, err: LaunchTimeout, timeout: float) ->
     verdict, where = explain_hang(n, err, timeout)
     if verdict is not None:
         return verdict
-    return (f"with {n} rank(s), rank(s) {_ranks_text(err.ranks)} hung for {timeout:g} s.{where} "
+    return (f"with {n} rank(s), rank(s) {ranks_text(err.ranks)} hung for {timeout:g} s.{where} "
             f"A rank waits forever in a collective that a peer never makes: every rank must "
             f"make {plan.exercise.collective} of every tensor, in the same order, even a rank "
             "whose shard is only padding.")
@@ -797,13 +799,13 @@ def _judge(plan: _Plan, n: int, results: Sequence[list[list[_Call]]]) -> str:
 
 def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence[int], seed: int,
            timeout: float) -> CheckResult:
-    _validate(fn, world_sizes, seed, timeout)
+    validate_check_call(fn, world_sizes, seed, timeout)
     plan = _Plan.make(exercise, world_sizes, seed)
 
     def fail(message: str) -> CheckResult:
-        return _report(CheckResult(exercise.title, False, message + plan.note()))
+        return report(CheckResult(exercise.title, False, message + plan.note()))
 
-    problem = _signature_problem(exercise, fn)  # type: ignore[arg-type]  # duck-typed
+    problem = signature_problem(exercise.function, exercise.parameters, fn)
     if problem:
         return fail(problem)
     for n in plan.world_sizes:
@@ -838,7 +840,7 @@ def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence
             f"zero-padded gradients, grad unchanged, on {sizes} rank(s), for {shapes}; no "
             f"rank made an all-reduce, {cost}, or kept anything but its shard"),
     }[exercise]
-    return _report(CheckResult(exercise.title, True, f"{what}.{plan.note()}"))
+    return report(CheckResult(exercise.title, True, f"{what}.{plan.note()}"))
 
 
 def check_sharded_sgd_step(

@@ -62,10 +62,16 @@ class Event(enum.Enum):
     """What an :class:`FSDP` observer is told, with the unit's name."""
 
     UNSHARD_FORWARD = "all-gather for forward"
+    """The unit's full vector has been gathered and its forward is about to run."""
     RESHARD_FORWARD = "free after forward"
+    """The unit's forward is done and its gathered vector has been freed."""
     UNSHARD_BACKWARD = "all-gather for backward"
+    """The unit's full vector has been gathered again for its backward."""
     REDUCE_SCATTER = "reduce-scatter gradient"
+    """The unit's full gradient is complete and its reduce-scatter is about to start."""
     RESHARD_BACKWARD = "free after backward"
+    """The unit's gathered vector is freed again: of its parameters only the shard remains
+    (with torch collectives, its gradient's reduce-scatter may still be in flight)."""
 
 
 @dataclass

@@ -47,6 +47,15 @@ class ZeroStage(enum.Enum):
     """ZeRO-2: gradients too, reduce-scattered during backward."""
 
 
+class GradientEvent(enum.Enum):
+    """What a stage-2 :class:`ShardedOptimizer` observer is told, with the parameter's name
+    (the value is the label chapter 6's memory timeline prints)."""
+
+    REDUCE_SCATTER = "reduce-scatter gradient"
+    """Backward has finished this parameter's full gradient and its reduce-scatter is about to
+    start: the full gradient is still held."""
+
+
 @dataclass
 class ShardedParameter:
     """One parameter seen as N equal shards of its flattened, zero-padded values.
@@ -113,9 +122,12 @@ class ShardedOptimizer:
                  stage: ZeroStage = ZeroStage.OPTIMIZER,
                  process_group: dist.ProcessGroup | None = None,
                  recorder: Recorder | None = None,
-                 observer: Callable[[str], None] | None = None, **kwargs: Any) -> None:
-        """``observer`` (stage 2) is called with ``"reduce-scatter <name>"`` as each gradient is
-        about to be reduce-scattered: chapter 6's memory timeline snapshots there."""
+                 observer: Callable[[GradientEvent, str], None] | None = None,
+                 **kwargs: Any) -> None:
+        """``observer`` (stage 2) is called with ``GradientEvent.REDUCE_SCATTER`` and the
+        parameter's name as each gradient is about to be reduce-scattered, as
+        :class:`~labs.fsdp.FSDP`'s observer is told its events: chapter 6's memory timeline
+        snapshots there."""
         self.group = process_group
         self.observer = observer
         self.stage = stage
@@ -148,7 +160,7 @@ class ShardedOptimizer:
         of the sum (added to what earlier backward passes left), free the full gradient."""
         sharded = self._by_param[id(param)]
         if self.observer is not None:  # the full gradient is still there to see
-            self.observer(f"reduce-scatter {sharded.name}")
+            self.observer(GradientEvent.REDUCE_SCATTER, sharded.name)
         mean = self._reduce_scatter(sharded, param.grad) / self.world_size
         if sharded.shard.grad is None:
             sharded.shard.grad = mean

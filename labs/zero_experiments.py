@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 from labs.collectives import Algorithm, Recorder, ring_all_reduce
 from labs.ddp import DDP
 from labs.ddp_experiments import StepSettings, mlp
-from labs.fsdp import FSDP, Event
+from labs.fsdp import FSDP
 from labs.launch import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
@@ -50,8 +50,12 @@ class Group(enum.Enum):
     """The groups a rank's bytes are counted in."""
 
     PARAMETERS = "parameters"
+    """Parameter storage: full, a shard, or a shard plus what is gathered."""
     GRADIENTS = "gradients"
+    """Full gradients and gradient shards, whichever exist at the moment."""
     OPTIMIZER = "optimizer state"
+    """The optimizer's state (Adam: two moments and a step count per tensor), for the
+    parameters this rank updates."""
     BUFFERS = "communication buffers"
     """DDP's gradient buckets; what FSDP's in-flight reduce-scatters receive into."""
 
@@ -85,19 +89,25 @@ class MemoryReport:
         return self.snapshots[-1]
 
 
+#: Told an event and the name of the unit (FSDP) or parameter (ZeRO-2) it concerns.
+Observer = Callable[[enum.Enum, str], None]
+
+
 def _build(strategy: Strategy, settings: StepSettings, lr: float = 1e-3,
-           observer: object = None) -> tuple[nn.Module, object]:
-    """(model, optimizer) for ``strategy``; ``observer`` is handed to FSDP or ZeRO-2."""
+           observer: Observer | None = None) -> tuple[nn.Module, object]:
+    """(model, optimizer) for ``strategy``; ``observer`` is handed to FSDP or ZeRO-2, which
+    tell it an event (:class:`~labs.fsdp.Event` or :class:`~labs.zero.GradientEvent`) and the
+    unit's or parameter's name."""
     net = mlp(settings).to(rank_device())
     if strategy is Strategy.DDP:
         model = DDP(net, bucket_cap_mb=settings.bucket_cap_mb)
         return model, torch.optim.Adam(model.parameters(), lr=lr)
     if strategy is Strategy.ZERO3:
-        model = FSDP(net, observer=observer)  # type: ignore[arg-type]
+        model = FSDP(net, observer=observer)
         return model, torch.optim.Adam(model.parameters(), lr=lr)
     stage = ZeroStage.OPTIMIZER if strategy is Strategy.ZERO1 else ZeroStage.GRADIENTS
     optimizer = ShardedOptimizer(net.named_parameters(), torch.optim.Adam, stage=stage, lr=lr,
-                                 observer=observer)  # type: ignore[arg-type]
+                                 observer=observer)
     return net, optimizer
 
 
@@ -142,9 +152,9 @@ def memory_worker(rank: int, world_size: int, settings: StepSettings,
     recording = [False]
     box: list[object] = []
 
-    def observe(event: object, unit: str = "") -> None:
+    def observe(event: enum.Enum, name: str) -> None:
         if recording[0]:
-            label = f"{event.value} {unit}" if isinstance(event, Event) else str(event)
+            label = f"{event.value} {name}"
             timeline.record(label, **holdings(strategy, *box))  # type: ignore[arg-type]
 
     model, optimizer = _build(strategy, settings, observer=observe)

@@ -16,7 +16,7 @@ from torch import nn
 from labs import RankError
 from labs.collectives import Algorithm, Recorder
 from labs.fsdp import FSDP, Event, ShardedState
-from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
+from labs.zero import GradientEvent, ShardedOptimizer, ZeroStage, shard_numel
 
 from parity import (
     OPTIMIZERS,
@@ -80,8 +80,11 @@ def test_every_stage_matches_one_process_on_the_full_batch(world_size):
 def holdings_worker(rank: int, world_size: int) -> dict[str, object]:
     x, y = batch()
     net = TiedNet(0)
+    params = dict(net.named_parameters())
+    told: list[tuple[GradientEvent, str, bool]] = []  # (event, name, full gradient still held)
     opt = ShardedOptimizer(net.named_parameters(), torch.optim.Adam, stage=ZeroStage.GRADIENTS,
-                           lr=0.01)
+                           lr=0.01, observer=lambda event, name: told.append(
+                               (event, name, params[name].grad is not None)))
     loss_of(net, x, y).backward()
     grads_after_backward = {n: p.grad is not None for n, p in net.named_parameters()}
     shard_grads = [s.shard.grad.numel() for s in opt.sharded]
@@ -90,7 +93,7 @@ def holdings_worker(rank: int, world_size: int) -> dict[str, object]:
     sharded_storage = [u.full.untyped_storage().nbytes() for u in model.units]
     loss_of(model, x, y).backward()
     model.finish_gradient_synchronization()
-    return {"grads": grads_after_backward, "shard_grads": shard_grads,
+    return {"grads": grads_after_backward, "shard_grads": shard_grads, "told": told,
             "shards": [s.shard.numel() for s in opt.sharded],
             "state_bytes": opt.state_bytes(),
             "fsdp_units": [u.name for u in model.units],
@@ -108,6 +111,10 @@ def test_ranks_hold_shards_of_a_quarter_and_free_what_they_gathered():
         # ZeRO-2: no full gradient survives backward; every shard is ceil(numel / 4)
         assert not any(r["grads"][n] for n in ("embed.weight", "hidden.weight", "hidden.bias"))
         assert r["shards"] == r["shard_grads"] == [shard_numel(n, 4) for n in numels]
+        # the observer is told an Event, as FSDP's is, once per trainable parameter, backward's
+        # order, while the full gradient is still there
+        assert r["told"] == [(GradientEvent.REDUCE_SCATTER, n, True)
+                             for n in ("hidden.bias", "hidden.weight", "embed.weight")]
         # Adam: m and v for each shard element, and a float32 step count per shard
         assert r["state_bytes"] == 2 * 4 * sum(shard_numel(n, 4) for n in numels) + 3 * 4
         # FSDP: hidden is a unit; the tied embedding/head and the rest form the root
