@@ -84,3 +84,39 @@ def test_execute_notebooks_runs_in_place_and_stores_no_timing(tmp_path):
     done = nbformat.read(path, as_version=4)
     assert [c.outputs[0].text for c in done.cells] == ["42\n", f"{tmp_path}\n"]
     assert not any("execution" in c.metadata for c in done.cells)
+
+
+def test_notebooks_are_stored_with_stable_widget_ids():
+    import nbformat
+
+    from tools.execute_notebooks import stable_widget_ids
+
+    stored = {path: nbformat.read(path, as_version=4) for path in NOTEBOOKS}
+    random_ids = [path.name for path, nb in stored.items()
+                  if stable_widget_ids(nb, path.stem) != nb]
+    assert not random_ids, (f"widget ids as the kernel drew them (re-execute with "
+                            f"tools/execute_notebooks.py, or --strip-only them): {random_ids}")
+
+
+def test_a_re_execution_gives_widgets_the_same_ids(tmp_path):
+    import nbformat
+
+    from tools.execute_notebooks import WIDGET_STATE, WIDGET_VIEW, main
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import ipywidgets as w\nw.VBox([w.IntSlider(3), w.Button(description='run')])")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path = tmp_path / "panel.ipynb"
+    nbformat.write(nb, path)
+    main([str(path)])
+    first = path.read_text()
+    main([str(path)])
+    assert path.read_text() == first  # the kernel drew new uuids; the stored ids did not move
+    done = nbformat.read(path, as_version=4)
+    state = done.metadata.widgets[WIDGET_STATE]["state"]
+    shown = done.cells[0].outputs[0].data[WIDGET_VIEW]["model_id"]
+    assert state[shown]["model_name"] == "VBoxModel"
+    children = state[shown]["state"]["children"]  # references renamed with their models
+    assert [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in children] == [
+        "IntSliderModel", "ButtonModel"]
