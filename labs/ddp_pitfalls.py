@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,30 @@ class Drift:
     max_difference: float
 
 
+def _difference_from_rank0(params: Iterable[torch.Tensor]) -> float:
+    """The largest |difference| between this rank's parameters and rank 0's (rank 0
+    broadcasts its own; every rank must call this)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).to(rank_device())
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    return (flat - reference).abs().max().item()
+
+
+def unused_parameter_first_step_worker(rank: int, world_size: int, find_unused: bool) -> Drift:
+    """One step of torch's DDP on :class:`TwoHeads` without its ``aux_head``, on rank-specific
+    data, then how far this rank's parameters are from rank 0's: 0 when the step used averaged
+    gradients. (The error comes only at the second step's forward, so the first one runs.)"""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(TwoHeads().to(rank_device()),
+                                    find_unused_parameters=find_unused)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(rank_device())
+    model(x).square().mean().backward()
+    optimizer.step()
+    return Drift(rank, _difference_from_rank0(model.module.parameters()))
+
+
 class ChangeAfterWrapping(enum.Enum):
     """Ways of changing a model after wrapping it, shown by
     :func:`change_after_wrapping_worker`."""
@@ -100,10 +125,7 @@ def change_after_wrapping_worker(rank: int, world_size: int, change: ChangeAfter
         model(x, use_aux=True).square().mean().backward()
         synchronise(model)
         optimizer.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    return Drift(rank, (flat - reference).abs().max().item())
+    return Drift(rank, _difference_from_rank0(model.module.parameters()))
 
 
 class Logging(enum.Enum):
@@ -173,7 +195,4 @@ def seeding_worker(rank: int, world_size: int, implementation: Implementation) -
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     if implementation is not Implementation.LOCAL:
         wrap(implementation, net, 25.0)
-    after = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).to(rank_device())
-    reference = after.clone()
-    dist.broadcast(reference, src=0)
-    return (after - reference).abs().max().item()
+    return _difference_from_rank0(net.parameters())

@@ -33,6 +33,7 @@ from labs.ddp_pitfalls import (
     checkpoint_worker,
     logging_worker,
     seeding_worker,
+    unused_parameter_first_step_worker,
     unused_parameter_worker,
 )
 from labs.viz_ddp import _covered, accumulation_table, sampler_table, step_time_table
@@ -163,6 +164,14 @@ def test_an_unused_parameter_is_an_error_without_find_unused_parameters(impl, me
         launch(unused_parameter_worker, 2, args=(impl, False), echo=False, timeout=30)
     ok = launch(unused_parameter_worker, 2, args=(impl, True), echo=False, timeout=30)
     assert all("aux_head.weight.grad is None" in r for r in ok)
+
+
+def test_torchs_first_step_with_an_unused_parameter_averages_nothing():
+    drift = {find_unused: max(d.max_difference for d in launch(
+        unused_parameter_first_step_worker, 2, args=(find_unused,), echo=False, timeout=30))
+        for find_unused in (False, True)}
+    assert drift[False] > 1e-4  # each rank stepped on its own gradients
+    assert drift[True] == 0.0  # averaged gradients: the same step, bit for bit
 
 
 def test_editing_weights_on_one_rank_after_wrapping_makes_ranks_drift():

@@ -71,7 +71,9 @@ rank's own GPU under NCCL; the same cells then run on a laptop and on a GPU box.
 
 ## Four ranks, one gradient
 
-Four ranks hold the gradient of the same weight, `W_query[0, 0]`, computed on different text, so the values differ:
+Suppose four ranks hold the gradient of the same weight, each computed on different text, so
+the values differ. To start, they are four example values (`EXAMPLE_GRADIENTS`); later in the
+chapter the gradients come from a real model:
 """),
     code("""
 print(format_table(["rank", "gradient"], list(enumerate(EXAMPLE_GRADIENTS))))

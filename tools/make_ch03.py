@@ -299,8 +299,9 @@ chunk lands straight in an accumulator, so the ring needs no other receive buffe
 $N \ge 3$ both accumulators are still alive when the copy is made, and the peak is three
 chunks. With $N = 2$ the ring has a single step, which uses only the first accumulator; the
 second is dropped before the copy is made, so the peak is two chunks. At $N = 1$ there is no
-ring at all, only the copy that is returned. All of it scales as $S/N$, so the transient
-cost shrinks as $N$ grows.
+ring at all, only the copy that is returned. So the peak is $S$ for $N = 1$, 2 and 3 (one, two
+and three chunks of $S/N$), and $3S/N$ from $N = 3$ on: past three ranks the transient cost
+shrinks as $N$ grows.
 
 For torch's reduce-scatter the tracker lists one storage: the output that
 `labs.collectives.reduce_scatter` allocates for it (840 elements divide into $N$ equal chunks,

@@ -55,7 +55,7 @@ from labs.ddp_experiments import (
 )
 from labs.ddp_pitfalls import (
     ChangeAfterWrapping, Logging, change_after_wrapping_worker, checkpoint_worker,
-    logging_worker, seeding_worker, unused_parameter_worker,
+    logging_worker, seeding_worker, unused_parameter_first_step_worker, unused_parameter_worker,
 )
 from labs.train import CHARS, TEXT, TrainConfig, Wrapper, train_worker
 from labs.viz import format_table
@@ -208,9 +208,10 @@ In the top panel the all-reduces start only after backward has ended, one per pa
 In the bottom panel bucket 0 (the last layer) is launched while backward is still computing
 the earlier layers. Three details that the picture shows and a diagram would not:
 
-* Backward itself takes longer under DDP. The ranks share two processor cores, and gloo's
-  worker threads compete with autograd for them; the hooks also copy every gradient into
-  its bucket. On a GPU the computation runs on the device and the overlap is cheaper.
+* Backward itself can take longer under DDP: collectives launched during backward run on
+  gloo's worker threads, which compete with autograd for the CPU cores, and the hooks also
+  copy every gradient into its bucket. On a GPU the computation runs on the device and the
+  overlap is cheaper.
 * A bar runs from launch to completion, waiting included. gloo runs a process group's
   collectives on a small pool of worker threads, so an all-reduce launched while others are
   in flight may wait for a free thread, or share the cores and the link with them.
@@ -271,7 +272,7 @@ fig = plot_bucket_sweep(sweep, title="Step time against bucket size, 2 ranks")
 """, IGNORE + HIDE),
     md(r"""
 The three smallest caps give the same bucket plan, so the differences between them are noise,
-and on two shared cores that noise is a few milliseconds. The line below names each wrapper's
+and the figure shows how large that noise is in this run. The line below names each wrapper's
 fastest cap in this run. If it is the single bucket, which overlaps nothing with backward,
 then on this machine DDP's gain over NaiveDDP comes from fewer, larger messages, not from
 overlap: backward is short and shares the cores with gloo, so there is little computation to
@@ -284,8 +285,8 @@ for impl in (Implementation.OURS, Implementation.TORCH):
           f"bucket(s)), {best.seconds * 1e3:.1f} ms per step")
 """, IGNORE),
     md(r"""
-Overlap pays where backward has computation to hide the messages behind: on a GPU, or for a
-larger model. The bench command below measures a larger one (it prints the size), comparing
+Overlap can only pay where backward has computation to hide the messages behind: on a GPU,
+or for a larger model. The bench command below measures a larger one (it prints the size), comparing
 labs' DDP and torch's at a cap of 25 MiB. That is torch's default value, but the bench passes
 it explicitly, so torch's rebuilt first bucket gets the same cap as the others:
 
@@ -331,8 +332,9 @@ for row in accumulation:
           f"{row.allreduces:g} all-reduces per optimizer step")
 """, CHECK),
     md(r"""
-The gradients are the same either way: the sum of averages equals the average of sums. Only
-the traffic differs, by a factor of $k$.
+In exact arithmetic the gradients are the same either way: the sum of averages equals the
+average of sums. In float32 the additions happen in another order, so the last bits can
+differ. The traffic differs by a factor of $k$.
 
 ## The DistributedSampler
 
@@ -435,11 +437,24 @@ for impl in (Implementation.TORCH, Implementation.OURS):
     md(r"""
 Here neither hangs: the head is unused on *every* rank, so every rank fails the same way.
 torch's DDP raises at the start of the *second* step, when its reducer finds that the
-previous reduction never finished. The first step was not harmless: in its first iteration
-torch keeps all parameters in one bucket, that bucket never became ready, so nothing was
-all-reduced and the optimizer applied each rank's own, un-averaged gradients. `labs.ddp.DDP`
-raises at the end of the first backward, before any step, naming the parameters, because its
-`finish_gradient_synchronization()` can see which slots never arrived.
+previous reduction never finished. `labs.ddp.DDP` raises at the end of the first backward,
+before any step, naming the parameters, because its `finish_gradient_synchronization()` can
+see which slots never arrived.
+
+torch's first step was not harmless. In its first iteration torch keeps the parameters of
+this small model in one bucket; that bucket never became ready, so nothing was all-reduced
+and the optimizer applied each rank's own gradients. The cell below runs that one step on
+ranks with different data and compares every rank's parameters with rank 0's:
+"""),
+    code("""
+for find_unused in (False, True):
+    drifts = launch(unused_parameter_first_step_worker, 2, args=(find_unused,), echo=False)
+    print(f"torch DDP, find_unused_parameters={find_unused}: after one step the ranks' "
+          f"parameters are equal: {all(d.max_difference == 0 for d in drifts)}")
+""", CHECK),
+    md(r"""
+With `find_unused_parameters=True` the step averaged the gradients and every rank took the
+same step; without it the ranks have already diverged when the error comes.
 
 Why not just send what arrived? Because the ranks must make the same collective calls in the
 same order. If the head were used on rank 0 and not on rank 1, rank 0 would all-reduce that
