@@ -12,11 +12,15 @@ Everything here reads ``/proc/<pid>/stat`` directly (Linux), so no psutil is nee
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,3 +141,31 @@ def no_leftover_processes(procs: Processes) -> Iterator[None]:
     yield
     left = procs.leftovers(within=3.0)
     assert not left, f"processes left running after the test: {list(left.values())}"
+
+
+class ProcessStarted(AssertionError):
+    """Raised by :func:`refuse_processes` where a process would have started."""
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise ProcessStarted("a process was started: the input should have been refused before")
+
+
+@pytest.fixture
+def refuse_processes(monkeypatch: pytest.MonkeyPatch
+                     ) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """``with refuse_processes(): ...`` fails the test if the block starts a process of any
+    kind: a rank (``multiprocessing`` ``Process.start``), the forkserver or the resource
+    tracker (``multiprocessing.util.spawnv_passfds``), or a subprocess (a kernel, nbval).
+    Comparing the process table before and after cannot tell: the forkserver reaps ranks that
+    have exited, so a launch that ran and then raised leaves no trace there."""
+
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        with monkeypatch.context() as patch:
+            patch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+            patch.setattr(multiprocessing.util, "spawnv_passfds", _refuse)
+            patch.setattr(subprocess.Popen, "__init__", _refuse)
+            yield
+
+    return guard

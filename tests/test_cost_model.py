@@ -276,8 +276,12 @@ def test_fit_alpha_beta_on_real_ranks():
     params = fit_alpha_beta(2, sizes=(4, 4096, 65536), iters=3, reduce_sizes=(4096, 65536))
     assert [p.size_bytes for p in params.points] == [4, 4096, 65536]
     assert all(len(p.all_seconds) == 3 and p.seconds > 0 for p in params.points)
-    assert params.alpha_s >= 0 and params.beta_s_per_byte >= 0 and params.gamma_s_per_byte >= 0
     assert params.alpha_s + params.beta_s_per_byte > 0
+    # the reported residual is the fitted line's, at the points it was fitted to
+    fitted = [params.fit.intercept + params.fit.slope * p.size_bytes for p in params.points]
+    measured = [p.summary(params.statistic) for p in params.points]
+    worst = max(abs(m - f) / m for m, f in zip(measured, fitted, strict=True))
+    assert worst == pytest.approx(params.max_relative_residual)
     assert math.isfinite(params.max_relative_residual) and params.cores >= 1
     assert params.backend == "gloo" and "alpha =" in params.summary()
 

@@ -243,16 +243,15 @@ def test_a_learner_notebook_is_matched_by_its_stamp_then_by_its_name(tmp_path):
     (["01_toy_allreduce.ipynb", "--reference", "nowhere"], "no such directory"),
 ])
 def test_bad_input_is_refused_before_any_process_starts(tmp_path, monkeypatch, capsys, args,
-                                                         error):
+                                                         error, refuse_processes):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("hi")
     (tmp_path / "stray.ipynb").write_text(nbformat.writes(nbformat.v4.new_notebook()))
     write(release_notebook(CHAPTERS["01_toy_allreduce.ipynb"]), tmp_path,
           "01_toy_allreduce.ipynb")
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert main(["grade", *args]) == EXIT_USAGE
+    with refuse_processes():
+        assert main(["grade", *args]) == EXIT_USAGE
     assert error in capsys.readouterr().err
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -383,6 +382,23 @@ def test_a_bug_in_one_exercise_fails_exactly_that_exercise(tmp_path, no_leftover
     expected = {e.exercise: "FAIL" if e.exercise == exercise else "PASS"
                 for e in chapter.exercises}
     assert grades(report) == [expected], report.table()
+
+
+@pytest.mark.slow  # two gradings of chapter 1; make test grades chapter 4 (hidden cases on)
+def test_an_answer_fitted_to_the_documented_cases_fails_the_hidden_ones(tmp_path, no_leftovers):
+    """Exercise 1.1's documented cases stop at 4 ranks; a seed adds 5 or 6. An answer that
+    divides by at most 4 passes the first and must fail the grade through the second."""
+    chapter = CHAPTERS["01_toy_allreduce.ipynb"]
+    line = "param.grad /= world_size"
+    index = next(i for i in solution_indices(chapter, "1.1")
+                 if line in chapter.nb.cells[i].source)
+    fitted = chapter.nb.cells[index].source.replace(line, "param.grad /= min(world_size, 4)")
+    path = write(learner_copy(chapter, {index: fitted}), tmp_path, chapter.name)
+    assert grades(grade([path], GradeSettings(hidden=False))) == [{"1.1": "PASS"}]
+    report = grade([path], GradeSettings(seed=SEED))
+    assert grades(report) == [{"1.1": "FAIL"}], report.table()
+    reason = report.notebooks[0].exercises[0].reason
+    assert f"seed {SEED}" in reason and "world size" in reason, reason
 
 
 def test_edited_outputs_showing_pass_do_not_pass(tmp_path, no_leftovers):

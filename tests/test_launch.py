@@ -504,14 +504,21 @@ def case_id(value: object) -> str | None:
     ],
     ids=case_id,
 )
-def test_bad_input_is_refused_before_any_process_starts(kwargs, error, advice, procs):
+def test_bad_input_is_refused_before_any_process_starts(kwargs, error, advice,
+                                                        refuse_processes):
     """Promise 9: bad input raises at once, with a message saying what to do, and no process is
-    started (the set of processes under the test does not grow)."""
+    started (anything that would start one fails the test)."""
     call = {"fn": return_rank, "world_size": 2, "echo": False, **kwargs}
-    before = set(procs.descendants())
-    with pytest.raises(error, match=advice):
+    with refuse_processes(), pytest.raises(error, match=advice):
         launch(call.pop("fn"), call.pop("world_size"), **call)
-    assert set(procs.descendants()) <= before
+
+
+def test_the_process_guard_sees_a_launch(refuse_processes):
+    """The guard the bad-input tests rely on fails a launch that starts ranks."""
+    from conftest import ProcessStarted
+
+    with refuse_processes(), pytest.raises(ProcessStarted):
+        launch(return_rank, 2, echo=False)
 
 
 # --- 10. what ranks print is captured and echoed --------------------------------------------

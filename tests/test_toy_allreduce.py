@@ -28,6 +28,7 @@ def test_toy_step_leaves_every_rank_with_the_same_parameter(world_size):
     assert [r.rank for r in records] == list(range(world_size))
     assert [r.local_grad for r in records] == grads.tolist()
     assert len({r.param_after_bits for r in records}) == 1
+    assert records[0].summed == pytest.approx(float(grads.sum()), rel=1e-6, abs=1e-7)
     mean = records[0].summed / world_size
     assert records[0].averaged == pytest.approx(mean, rel=1e-6)
     assert records[0].param_after == pytest.approx(0.5 - 1e-3 * mean, rel=1e-6)

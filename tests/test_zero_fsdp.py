@@ -8,6 +8,8 @@ build their models from *different* seeds, so the broadcast at construction is t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -341,14 +343,35 @@ def test_using_a_units_parameter_outside_its_forward_is_an_error_naming_it():
         launch(outside_use_worker, 2, echo=False, timeout=30)
 
 
-def units_error(rank: int, world_size: int, which: str) -> None:
+#: Every way FSDP could talk to the other ranks (torch's collectives, point to point).
+COMMUNICATION = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv",
+                 "batch_isend_irecv", "barrier")
+
+
+def units_error(rank: int, world_size: int, which: str) -> tuple[int, str]:
+    """(calls to any of :data:`COMMUNICATION` before FSDP refused the units, its message)."""
+    calls = [0]
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name in COMMUNICATION:
+        setattr(dist, name, counted(getattr(dist, name)))  # a rank's process: nothing to undo
     net = Deep()
-    if which == "list":
-        looped = Looped(seed=0)
-        FSDP(looped, units=[looped.blocks])
     units = {"itself": [net], "foreign": [nn.Linear(2, 2)], "twice": [net.layers[0]] * 2,
-             "not a module": ["layers.0"]}[which]
-    FSDP(net, units=units)
+             "not a module": ["layers.0"]}.get(which)
+    try:
+        if which == "list":
+            looped = Looped(seed=0)
+            FSDP(looped, units=[looped.blocks])
+        FSDP(net, units=units)
+    except (TypeError, ValueError) as err:
+        return calls[0], str(err)
+    return calls[0], "no error"
 
 
 @pytest.mark.parametrize("which, message", [
@@ -356,8 +379,15 @@ def units_error(rank: int, world_size: int, which: str) -> None:
     ("twice", "'layers.0'.* listed twice"), ("not a module", "must be an nn.Module"),
     ("list", r"'blocks'.* is a ModuleList, which is never called.*list\(model.blocks\)")])
 def test_wrong_units_are_named_before_any_collective(which, message):
-    with pytest.raises(RankError, match=message):
-        launch(units_error, 2, args=(which,), echo=False, timeout=30)
+    for calls, text in launch(units_error, 2, args=(which,), echo=False, timeout=30):
+        assert re.search(message, text, re.DOTALL), text
+        assert calls == 0
+
+
+def test_the_communication_counter_sees_fsdp_construction():
+    """The counter above is live: a right FSDP broadcasts its parameters when built."""
+    assert all(calls > 0 for calls, _ in launch(units_error, 2, args=("right",), echo=False,
+                                                  timeout=30))
 
 
 # --- errors ------------------------------------------------------------------------------------
