@@ -1,4 +1,5 @@
-"""Shared test helpers: which processes a test left running, and GPU-only tests.
+"""Shared test helpers: which processes a test left running, a guard against any process
+starting (for input that must be refused first), and GPU-only tests.
 
 Ranks are forked from multiprocessing's forkserver helper, a child of the test process; the
 forkserver in turn needs multiprocessing's resource tracker, also a child of the test process.
