@@ -30,8 +30,11 @@ the other ranks' contributions to its share and send as much, once per phase.
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,18 +98,31 @@ class Recorder:
 
 @dataclass
 class RingBuffers:
-    """Receive buffers for the pipelined ring, kept by the caller from one call to the next.
+    """What the pipelined ring keeps from one ``ring_all_reduce`` to the next, when the caller
+    keeps this object and passes it to each call.
 
-    Without them every ``ring_all_reduce`` allocates ``window`` segment-sized scratch
-    buffers (4 MiB with the defaults) and frees them on return. Fresh pages cost: the kernel
+    **Scratch.** Without it every call allocates ``window`` segment-sized receive buffers
+    (4 MiB with the defaults) and frees them on return. Fresh pages cost: the kernel
     zero-fills each one on first touch, and the C allocator tends to hand such large blocks
-    back to the kernel when they are freed, so the next call pays again. A caller that
-    all-reduces many times, as a training loop does (chapter 5's buckets) and as the
-    benchmark does, passes one ``RingBuffers`` and the scratch is allocated once. Nothing
-    else is kept: results never live in these buffers.
+    back to the kernel when they are freed, so the next call pays again.
+
+    **The schedule.** Every call also works out which segment goes where, in what order, and
+    when to wait for what (:func:`_compile_pipelined`), and that is Python work, a visible
+    share of a 1 MiB call between 2 ranks on a small machine (chapter 2 measures it with
+    :func:`labs.experiments.measure_planning`). The last schedule is kept here and run again
+    as long as the calls are the same: the same tensor memory, size and dtype, group, segment
+    and window. Plan once, run many times.
+
+    A caller that all-reduces many times, as a training loop does and as the benchmark does,
+    passes one ``RingBuffers``. The kept schedule holds views of the last tensor served, so
+    that tensor's memory lives until the buffers serve another tensor or are dropped. Results
+    never live in these buffers.
     """
 
     tensors: list[torch.Tensor] = field(default_factory=list)
+    #: The compiled pass of the last call (see :func:`_run_ring`), or None; set it to None and
+    #: the next call works its schedule out again.
+    program: _Program | None = field(default=None, repr=False)
 
     def take(self, count: int, numel: int, dtype: torch.dtype,
              device: torch.device) -> list[torch.Tensor]:
@@ -157,8 +173,12 @@ class _Peers:
     rank: int
     size: int
     recorder: Recorder | None
-    #: The group's backend as ``dist.get_backend`` names it ("gloo", "cpu:gloo,cuda:nccl").
-    backend: str
+
+    @functools.cached_property
+    def backend(self) -> str:
+        """The group's backend as ``dist.get_backend`` names it ("gloo", "cpu:gloo,cuda:nccl");
+        asked for only when needed (a CPU tensor on the pipelined ring never needs it)."""
+        return str(dist.get_backend(self.group))
 
     @classmethod
     def of(cls, group: ProcessGroup | None, recorder: Recorder | None,
@@ -171,8 +191,7 @@ class _Peers:
                 "torch.distributed is not initialised: call this inside a function run by "
                 "labs.launch (or under torchrun after init_process_group)."
             )
-        peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder,
-                    str(dist.get_backend(group)))
+        peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
         if tensor is not None and peers.size > 1:
             peers.check_can_send(tensor)
         return peers
@@ -198,7 +217,8 @@ class _Peers:
         group_rank %= self.size
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def _count(self, tensor: torch.Tensor, *, sent: bool) -> None:
+    def count(self, tensor: torch.Tensor, *, sent: bool) -> None:
+        """Add one message of ``tensor`` to the recorder's stats, if there is a recorder."""
         if self.recorder is None:
             return
         stats, nbytes = self.recorder.stats, tensor.numel() * tensor.element_size()
@@ -210,11 +230,11 @@ class _Peers:
             stats.bytes_received += nbytes
 
     def isend(self, tensor: torch.Tensor, to: int, tag: int = 0) -> Work:
-        self._count(tensor, sent=True)
+        self.count(tensor, sent=True)
         return dist.isend(tensor, self.global_rank(to), group=self.group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Work:
-        self._count(tensor, sent=False)
+        self.count(tensor, sent=False)
         return dist.irecv(tensor, self.global_rank(source), group=self.group, tag=tag)
 
     def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
@@ -227,9 +247,9 @@ class _Peers:
         first, then the send."""
         sending, receiving = send.numel() > 0, recv.numel() > 0
         if sending:
-            self._count(send, sent=True)
+            self.count(send, sent=True)
         if receiving:
-            self._count(recv, sent=False)
+            self.count(recv, sent=False)
         if backend_for_device(self.backend, send.device.type) == "gloo":
             works = []
             if receiving:
@@ -472,16 +492,52 @@ def _run_lockstep(peers: _Peers, steps: list[_RingStep]) -> None:
             ))
 
 
-def _run_pipelined(
+class _OpKind(enum.Enum):
+    """What one instruction of a compiled ring pass does (see :class:`_Program`)."""
+
+    RECV = "recv"  #: post a receive into ``tensor`` from the left neighbour: message ``handle``
+    SEND = "send"  #: post a send of ``tensor`` to the right neighbour: message ``handle``
+    WAIT = "wait"  #: wait until message ``handle`` has arrived (a receive) or left (a send)
+    ADD = "add"  #: ``out = addend + tensor``, the received segment in ``tensor``
+
+
+class _Op(NamedTuple):
+    """One instruction of a compiled ring pass; ``kind`` says which fields it uses."""
+
+    kind: _OpKind
+    handle: int = -1
+    tensor: torch.Tensor | None = None
+    tag: int = 0
+    addend: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
+@dataclass
+class _Program:
+    """A pipelined ring pass compiled for one tensor: every post, wait and addition in the
+    order :func:`_execute` issues them, the views of the tensor and of the scratch buffers
+    already cut. ``key`` names the call it was compiled for (:func:`_run_ring`)."""
+
+    key: tuple[object, ...]
+    instructions: list[_Op]
+    right: int  #: the global rank that SEND sends to
+    left: int  #: the global rank that RECV receives from
+
+
+def _compile_pipelined(
     peers: _Peers, steps: list[_RingStep], segment: int, window: int,
-    buffers: RingBuffers | None,
-) -> None:
+    buffers: RingBuffers | None, key: tuple[object, ...],
+) -> _Program:
     """The same steps cut into segments and overlapped: as soon as a segment of step k has
     arrived and been combined it is sent on as that segment of step k+1, while later segments
     are still in flight. Up to ``window`` incoming segments that land in scratch buffers are
     posted ahead; segments that land in their final place (all-gather) are all posted at the
     start, so the sender never waits for a receive to be posted. Messages are tagged with the
-    step so that early and late receives cannot be matched to the wrong message."""
+    step so that early and late receives cannot be matched to the wrong message.
+
+    Nothing is sent here: the schedule is written down as a list of instructions, which
+    :func:`_execute` runs. Working it out costs Python time on every call, so a caller that
+    passes :class:`RingBuffers` keeps the compiled pass and repeats it."""
     events = [(i, start, stop) for i, step in enumerate(steps)
               for start, stop in _segments(step.result.numel(), segment)]
     dtype, device = steps[0].send.dtype, steps[0].send.device
@@ -492,11 +548,18 @@ def _run_pipelined(
     scratch = (buffers or RingBuffers()).take(min(window, len(scratch_events)), longest,
                                               dtype, device)
     slot = {e: n % window for n, e in enumerate(scratch_events)}
-    sends: dict[tuple[int, int], Work] = {}
-    recvs: dict[int, tuple[Work, torch.Tensor]] = {}
+    instructions: list[_Op] = []
+    sends: dict[tuple[int, int], int] = {}  # (step, segment start) -> handle, not waited for
+    recvs: dict[int, tuple[int, torch.Tensor]] = {}  # event -> handle, where it lands
+    handles = itertools.count()
+
+    def post(kind: _OpKind, tensor: torch.Tensor, tag: int) -> int:
+        handle = next(handles)
+        instructions.append(_Op(kind, handle, tensor, tag))
+        return handle
 
     def post_send(i: int, start: int, stop: int) -> None:
-        sends[(i, start)] = peers.isend(steps[i].send[start:stop], peers.rank + 1, tag=i)
+        sends[(i, start)] = post(_OpKind.SEND, steps[i].send[start:stop], i)
 
     def post_recv(e: int) -> None:
         i, start, stop = events[e]
@@ -507,10 +570,11 @@ def _run_pipelined(
             if step.land_after_send_of is not None:
                 # Every earlier send of this segment, not only the last step's: when a step
                 # between had an empty chunk, the send that read this memory is older.
-                for key in [k for k in sends if k[1] == start and k[0] <= step.land_after_send_of]:
-                    sends.pop(key).wait()
+                for earlier in [k for k in sends
+                                if k[1] == start and k[0] <= step.land_after_send_of]:
+                    instructions.append(_Op(_OpKind.WAIT, sends.pop(earlier)))
             target = step.land[start:stop]
-        recvs[e] = (peers.irecv(target, peers.rank - 1, tag=i), target)
+        recvs[e] = (post(_OpKind.RECV, target, i), target)
 
     ahead = scratch_events[:window]
     direct = [e for e in range(len(events))
@@ -523,31 +587,78 @@ def _run_pipelined(
     for e, (i, start, stop) in enumerate(events):
         if e not in recvs:
             post_recv(e)
-        work, landed = recvs.pop(e)
-        work.wait()
-        _combine(steps[i], landed, start, stop)
+        handle, landed = recvs.pop(e)
+        instructions.append(_Op(_OpKind.WAIT, handle))
+        step = steps[i]
+        if step.addend is not None:
+            instructions.append(_Op(_OpKind.ADD, tensor=landed, addend=step.addend[start:stop],
+                           out=step.result[start:stop]))
         if uses_scratch[e] and next_scratch < len(scratch_events):
             post_recv(scratch_events[next_scratch])  # reuses the scratch buffer just freed
             next_scratch += 1
         if i + 1 < len(steps):
             post_send(i + 1, start, stop)
-    for work in sends.values():
-        work.wait()
+    instructions.extend(_Op(_OpKind.WAIT, handle) for handle in sends.values())
+    return _Program(key, instructions, peers.global_rank(peers.rank + 1),
+                    peers.global_rank(peers.rank - 1))
+
+
+def _execute(peers: _Peers, program: _Program) -> None:
+    """Run a compiled ring pass: post, wait and add in the order it lists them.
+
+    This loop is the ring's hot path, so it calls ``dist.isend``/``dist.irecv`` itself
+    rather than through :meth:`_Peers.isend`: on a 2-core machine each Python call costs a
+    few microseconds while two ranks move data, and a 1 MiB all-reduce has only a few
+    hundred to spare."""
+    works: dict[int, Work] = {}
+    group, count = peers.group, peers.recorder is not None
+    right, left = program.right, program.left
+    for op in program.instructions:
+        kind = op.kind
+        if kind is _OpKind.WAIT:
+            works.pop(op.handle).wait()
+        elif kind is _OpKind.ADD:
+            torch.add(op.addend, op.tensor, out=op.out)
+        else:
+            assert op.tensor is not None
+            if count:
+                peers.count(op.tensor, sent=kind is _OpKind.SEND)
+            if kind is _OpKind.SEND:
+                works[op.handle] = dist.isend(op.tensor, right, group=group, tag=op.tag)
+            else:
+                works[op.handle] = dist.irecv(op.tensor, left, group=group, tag=op.tag)
 
 
 def _run_ring(
-    peers: _Peers, steps: list[_RingStep], segment_bytes: int | None, window: int,
-    buffers: RingBuffers | None = None,
+    peers: _Peers, data: torch.Tensor, steps: Callable[[], list[_RingStep]],
+    segment_bytes: int | None, window: int, buffers: RingBuffers | None = None,
 ) -> None:
-    if not steps:
-        return
+    """Run the ring pass that ``steps()`` lays out over ``data``, lock-step or pipelined.
+
+    With ``buffers``, the compiled pipelined pass is kept in them and run again, without
+    calling ``steps()``, while the call is the same: the same memory (``data``'s address,
+    length and dtype), group, rank, segment and window. Only the all-reduce passes
+    ``buffers``: its steps touch nothing but ``data`` and the buffers' scratch, so a kept pass
+    stays valid for as long as it keeps ``data``'s memory alive (its views do).
+    """
     trace = peers.recorder is not None and peers.recorder.trace
-    if segment_bytes is None or trace or steps[0].send.device.type != "cpu":
-        _run_lockstep(peers, steps)
-    else:
-        element = steps[0].send.element_size()
-        _run_pipelined(peers, steps, max(1, segment_bytes // element), max(1, window),
-                       buffers)
+    if segment_bytes is None or trace or data.device.type != "cpu":
+        laid_out = steps()
+        if laid_out:
+            _run_lockstep(peers, laid_out)
+        return
+    segment, window = max(1, segment_bytes // data.element_size()), max(1, window)
+    key = (data.data_ptr(), data.numel(), data.dtype, peers.group, peers.rank, peers.size,
+           segment, window)
+    program = buffers.program if buffers is not None else None
+    if program is None or program.key != key:
+        laid_out = steps()
+        if not laid_out:
+            return
+        program = _compile_pipelined(peers, laid_out, segment, window, buffers, key)
+        if buffers is not None:
+            buffers.program = program
+    _execute(peers, program)
 
 
 def ring_all_reduce(
@@ -566,9 +677,10 @@ def ring_all_reduce(
     ranks end with bit-identical values.
 
     On CPU, chunks are cut into ``segment_bytes`` segments and pipelined (see
-    :func:`_run_pipelined`); ``segment_bytes=None`` runs the plain lock-step ring (always
+    :func:`_compile_pipelined`); ``segment_bytes=None`` runs the plain lock-step ring (always
     used for CUDA tensors and when ``recorder.trace`` is on). Pass the same
-    :class:`RingBuffers` to repeated calls to keep the scratch buffers between them.
+    :class:`RingBuffers` to repeated calls to keep the scratch buffers and the pass's schedule
+    between them.
     """
     _check(tensor, op)
     peers = _Peers.of(group, recorder, tensor)
@@ -576,10 +688,13 @@ def ring_all_reduce(
     def body(flat: torch.Tensor) -> None:
         if peers.size == 1 or flat.numel() == 0:
             return
-        bounds = shard_bounds(flat.numel(), peers.size)
-        scatter, mine = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=False)
-        _run_ring(peers, scatter + _all_gather_steps(flat, bounds, peers.rank, mine),
-                  segment_bytes, window, buffers)
+
+        def steps() -> list[_RingStep]:
+            bounds = shard_bounds(flat.numel(), peers.size)
+            scatter, mine = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=False)
+            return scatter + _all_gather_steps(flat, bounds, peers.rank, mine)
+
+        _run_ring(peers, flat, steps, segment_bytes, window, buffers)
         _finish(flat, op, peers.size)
 
     return _in_place(tensor, body)
@@ -605,7 +720,7 @@ def ring_reduce_scatter(
     if peers.size == 1 or flat.numel() == 0:
         return _finish(mine.clone(), op, peers.size)
     steps, shard = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=True)
-    _run_ring(peers, steps, segment_bytes, window)
+    _run_ring(peers, flat, lambda: steps, segment_bytes, window)
     return _finish(shard.clone(), op, peers.size)  # its own storage: S/N bytes, not 2S/N
 
 
@@ -647,7 +762,8 @@ def ring_all_gather(
     mine = out[bounds[peers.rank]:bounds[peers.rank + 1]]
     mine.copy_(flat_shard)
     if peers.size > 1 and numel:
-        _run_ring(peers, _all_gather_steps(out, bounds, peers.rank, mine), segment_bytes, window)
+        _run_ring(peers, out, lambda: _all_gather_steps(out, bounds, peers.rank, mine),
+                  segment_bytes, window)
     return out
 
 

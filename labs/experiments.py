@@ -13,6 +13,9 @@ settings (before any process starts), launches the worker and returns plain resu
 * **agreement** (:class:`AgreementSettings`, :func:`compare_algorithms`): every algorithm on
   the same random float32 inputs; do the ranks end with the same bits, and how far is the
   result from torch's own all-reduce and from the exact sum?
+* **planning** (:class:`PlanningSettings`, :func:`measure_planning`): the pipelined ring
+  all-reduce with its schedule kept from call to call (:class:`labs.collectives.RingBuffers`)
+  against the same calls that work the schedule out again each time.
 
 The workers build CPU tensors, so every launch here uses gloo, on a GPU machine too.
 Ranks import this module to find the workers, so it imports nothing heavy (no matplotlib).
@@ -20,6 +23,8 @@ Ranks import this module to find the workers, so it imports nothing heavy (no ma
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -33,6 +38,7 @@ from labs.collectives import (
     CommStats,
     Phase,
     Recorder,
+    RingBuffers,
     RingStep,
     all_reduce,
     ring_all_gather,
@@ -403,3 +409,99 @@ def compare_algorithms(
                 from_torch=float((per_rank - torch_sum).abs().max()),
             ))
     return rows
+
+
+# --- planning: what the ring's schedule costs per call -----------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanningSettings:
+    """Pipelined ring all-reduces of one float32 tensor on every rank, in pairs: one call runs
+    the schedule kept in a :class:`~labs.collectives.RingBuffers` from the call before, the
+    other first drops it, so that the call works out which segment goes where again (the
+    scratch buffers are kept for both). The two take turns, each pair in the opposite order to
+    the last, after a barrier each.
+
+    Attributes:
+        size_bytes: the tensor's size, a multiple of 4 bytes.
+        iters: timed pairs.
+        warmup: untimed pairs first.
+    """
+
+    size_bytes: int = 1 << 20
+    iters: int = 100
+    warmup: int = 5
+
+
+@dataclass(frozen=True)
+class Planning:
+    """What keeping the ring's schedule saved, per call (each call's time is its slowest
+    rank's).
+
+    Attributes:
+        kept: median seconds of the calls that ran the kept schedule.
+        planned: median seconds of the calls that worked the schedule out first.
+        ratio: median over pairs of planned / kept (above 1: planning costs time).
+        compiled: schedules compiled during the timed calls on rank 0, kept calls first: 0 and
+            ``iters`` when the kept schedule is really reused.
+    """
+
+    world_size: int
+    size_bytes: int
+    kept: float
+    planned: float
+    ratio: float
+    compiled: tuple[int, int]
+
+
+def planning_worker(
+    rank: int, world_size: int, settings: PlanningSettings
+) -> tuple[list[tuple[float, float]], tuple[int, int]]:
+    """Rank worker: (seconds kept, seconds planned) per timed pair, and how many schedules
+    each kind of call compiled."""
+    numel = settings.size_bytes // 4
+    start_values = torch.arange(numel, dtype=torch.float32) % 7
+    work, buffers = torch.empty(numel), RingBuffers()
+    pairs, compiled = [], [0, 0]
+    for i in range(settings.warmup + settings.iters):
+        seconds = {}
+        for kept in (True, False) if i % 2 == 0 else (False, True):
+            if not kept:
+                buffers.program = None
+            before = buffers.program
+            work.copy_(start_values)
+            dist.barrier()
+            start = time.perf_counter()
+            ring_all_reduce(work, buffers=buffers)
+            seconds[kept] = time.perf_counter() - start
+            if i >= settings.warmup and buffers.program is not before:
+                compiled[0 if kept else 1] += 1
+        if i >= settings.warmup:
+            pairs.append((seconds[True], seconds[False]))
+    return pairs, (compiled[0], compiled[1])
+
+
+def measure_planning(world_size: int = 2, settings: PlanningSettings | None = None) -> Planning:
+    """One launch of :func:`planning_worker` on gloo; medians over the timed pairs."""
+    settings = PlanningSettings() if settings is None else settings
+    if not 2 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world size {world_size} is out of range 2..{MAX_WORLD_SIZE}: one "
+                         "rank sends nothing, so it has no schedule to keep.")
+    if settings.size_bytes < 4 or settings.size_bytes % 4:
+        raise ValueError(f"size_bytes must be a positive multiple of 4 (float32), got "
+                         f"{settings.size_bytes}.")
+    if settings.iters < 1 or settings.warmup < 0:
+        raise ValueError(f"iters must be at least 1 and warmup at least 0, got "
+                         f"iters={settings.iters}, warmup={settings.warmup}.")
+    results = launch(planning_worker, world_size, args=(settings,), backend=Backend.GLOO,
+                     echo=False)
+    slowest = [tuple(max(rank_pairs[i][k] for rank_pairs, _ in results) for k in (0, 1))
+               for i in range(settings.iters)]
+    return Planning(
+        world_size=world_size,
+        size_bytes=settings.size_bytes,
+        kept=statistics.median(kept for kept, _ in slowest),
+        planned=statistics.median(planned for _, planned in slowest),
+        ratio=statistics.median(planned / kept for kept, planned in slowest),
+        compiled=results[0][1],
+    )

@@ -828,6 +828,51 @@ def test_ring_buffers_are_reused_across_calls_and_change_nothing():
             f"rank {rank}: the scratch was allocated again: {pointers}")
 
 
+def kept_schedule(rank, world_size, numel):
+    """Calls of ring_all_reduce sharing one RingBuffers, each on new values: whether each call
+    ran the schedule kept from the call before, and whether it gave the exact sum."""
+    buffers, found = RingBuffers(), []
+    everyone = dist.new_group(list(range(world_size)))
+    a, b = torch.empty(numel), torch.empty(numel)
+    recorder = Recorder()
+    calls = [("a", a, {}), ("a again", a, {}), ("a, another view", a.view(2, -1), {}),
+             ("b, same size", b, {}), ("a after b", a, {}),
+             ("a, counted", a, {"recorder": recorder}),
+             ("a, counted again", a, {"recorder": recorder}),
+             ("a, another group", a, {"group": everyone}),
+             ("a, that group again", a, {"group": everyone}),
+             ("a, other segments", a, {"segment_bytes": 128}),
+             ("a, lock-step", a, {"segment_bytes": None})]
+    for call, (label, target, kwargs) in enumerate(calls):
+        before = buffers.program
+        target.view(-1).copy_(torch.arange(numel, dtype=torch.float32) * (rank + 1) + call)
+        ring_all_reduce(target, buffers=buffers, **{"segment_bytes": 64, **kwargs})
+        total = (torch.arange(numel, dtype=torch.float32) * world_size * (world_size + 1) / 2
+                 + call * world_size)
+        found.append((label, buffers.program is before, torch.equal(target.view(-1), total)))
+    return found, recorder.stats.messages_sent
+
+
+def test_ring_buffers_keep_the_schedule_for_the_same_call_only():
+    # A schedule is compiled again for another tensor, group or segment size; kept otherwise.
+    numel, world_size = 300, 3
+    ranks = launch(kept_schedule, world_size, args=(numel,), backend="gloo", echo=False,
+                   timeout=TIMEOUT)
+    reused = {"a": False, "a again": True, "a, another view": True, "b, same size": False,
+              "a after b": False, "a, counted": True, "a, counted again": True,
+              "a, another group": False, "a, that group again": True,
+              "a, other segments": False, "a, lock-step": True}
+    # 64-byte segments of a 100-element chunk: 7 messages a step, 2(N-1) steps, per call.
+    messages = 2 * 2 * (world_size - 1) * math.ceil(numel // world_size * 4 / 64)
+    for rank, (found, sent) in enumerate(ranks):
+        assert [label for label, _, _ in found] == list(reused)
+        for label, kept, exact in found:
+            assert exact, f"rank {rank}, call {label!r}: not the exact sum"
+            assert kept == reused[label], (
+                f"rank {rank}, call {label!r}: schedule {'kept' if kept else 'compiled again'}")
+        assert sent == messages, f"rank {rank}: {sent} messages counted in two calls"
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 

@@ -26,12 +26,14 @@ from labs import bench_collectives, widgets  # noqa: E402
 from labs.collectives import Algorithm, Collective, Phase, shard_bounds  # noqa: E402
 from labs.experiments import (  # noqa: E402
     AgreementSettings,
+    PlanningSettings,
     TraceSettings,
     Traffic,
     TrafficRow,
     TrafficSettings,
     compare_algorithms,
     expected_traffic,
+    measure_planning,
     measure_traffic,
     run_ring_trace,
 )
@@ -214,6 +216,27 @@ def test_only_the_whole_tensor_ring_leaves_ranks_disagreeing():
         else:
             assert row.differing == 0, row
         assert row.from_torch < 1e-5 and row.error < 1e-5
+
+
+def test_planning_runs_the_kept_schedule_and_plans_the_dropped_one_again():
+    found = measure_planning(3, PlanningSettings(size_bytes=4 * 301, iters=6, warmup=1))
+    assert found.compiled == (0, 6)
+    assert (found.world_size, found.size_bytes) == (3, 4 * 301)
+    assert found.kept > 0 and found.planned > 0 and found.ratio > 0
+
+
+@pytest.mark.parametrize("world_size, settings, match", [
+    (1, PlanningSettings(), "out of range 2"),
+    (33, PlanningSettings(), "out of range 2"),
+    (2, PlanningSettings(size_bytes=6), "multiple of 4"),
+    (2, PlanningSettings(size_bytes=0), "multiple of 4"),
+    (2, PlanningSettings(iters=0), "iters must be at least 1"),
+    (2, PlanningSettings(warmup=-1), "warmup at least 0"),
+])
+def test_planning_settings_are_checked_before_launching(world_size, settings, match,
+                                                        refuse_processes):
+    with refuse_processes(), pytest.raises(ValueError, match=match):
+        measure_planning(world_size, settings)
 
 
 # --- the collective panel ---------------------------------------------------------------------

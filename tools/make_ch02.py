@@ -46,8 +46,8 @@ from labs.cost_model import (
     plot_cost_model, predict,
 )
 from labs.experiments import (
-    AgreementSettings, TraceSettings, compare_algorithms, expected_traffic, measure_traffic,
-    run_ring_trace,
+    AgreementSettings, PlanningSettings, TraceSettings, compare_algorithms, expected_traffic,
+    measure_planning, measure_traffic, run_ring_trace,
 )
 from labs.timing import (
     CollectiveCase, P2PPattern, Statistic, format_size, measure_collectives,
@@ -643,8 +643,8 @@ fig = plot_busbw(bench)
 """, HIDE),
     md(r"""
 Where a range stays below 1, the ring is behind gloo at that size. Part of what Python adds
-is the same for every call, whatever the size: checking the arguments, cutting the tensor
-into chunks, posting each message and waiting for it. A call with nothing to move shows how
+is the same for every call, whatever the size: checking the arguments, posting each message
+and waiting for it. A call with nothing to move shows how
 large that part is, and dividing it by the ring's calls in the table shows how much of them
 it explains:
 """),
@@ -654,18 +654,44 @@ tiny = {t.case.algorithm: t.seconds for t in measure_collectives(
     2, iters=50, backend="gloo")}
 fixed = tiny[Algorithm.RING] - tiny[Algorithm.TORCH]
 print(f"2 ranks, 4 B, median of 50 calls: ring {tiny[Algorithm.RING] * 1e6:.0f} us, torch "
-      f"{tiny[Algorithm.TORCH] * 1e6:.0f} us; the ring pays {fixed * 1e6:.0f} us more per call")
-for t in bench:
-    if t.case.algorithm is Algorithm.RING:
-        print(f"  {t.world_size} ranks, {format_size(t.case.size_bytes)}: "
-              f"{fixed / t.seconds:.0%} of the ring's median call ({t.seconds * 1e3:.2f} ms)")
+      f"{tiny[Algorithm.TORCH] * 1e6:.0f} us")
+if fixed <= 0:
+    print(f"the ring paid nothing more per call ({-fixed * 1e6:.0f} us less than torch): here "
+          "its fixed cost is lost in the noise")
+else:
+    print(f"the ring pays {fixed * 1e6:.0f} us more per call, this share of each ring call above:")
+    for t in bench:
+        if t.case.algorithm is Algorithm.RING:
+            print(f"  {t.world_size} ranks, {format_size(t.case.size_bytes)}: "
+                  f"{fixed / t.seconds:.0%} of the ring's median call ({t.seconds * 1e3:.2f} ms)")
 """, IGNORE),
     md(r"""
 The fixed cost weighs most where calls are shortest: few ranks and small sizes. Where it is
 a small share and the ring still trails, the rest is in how the two cut the tensor and
 overlap sending with adding; `python -m labs.bench collectives --segment-bytes 256K 2M`
 compares segment sizes for the ring.
+
+The ring timed above did not work out its schedule on every call. Before its first message
+a call of the ring must know which segment of which chunk each step sends and receives,
+where each one lands, when to add and when to wait. gloo works its own out on every call, in
+C++, where that costs little; in Python it is worth doing once. A caller passes the same
+`RingBuffers` to every call, as the benchmark above does and as a training loop would, and
+the schedule is kept there with the scratch buffers and run again while the calls are the
+same (the same tensor memory, size, dtype, group and segments): plan once, run many times.
+What planning on every call would cost, timed in pairs of calls that take turns, one running
+the kept schedule, the other dropping it and planning again:
 """),
+    code("""
+planning = measure_planning(2, PlanningSettings(size_bytes=1 << 20, iters=100))
+print(f"2 ranks, {format_size(planning.size_bytes)}, median of 100 calls each: schedule kept "
+      f"{planning.kept * 1e3:.2f} ms, planned again {planning.planned * 1e3:.2f} ms; "
+      f"per pair, planning again took {planning.ratio:.2f}x as long")
+""", IGNORE),
+    code("""
+kept_calls, planned_calls = planning.compiled
+print(f"schedules worked out during the timed calls: {kept_calls} by the calls that kept one, "
+      f"{planned_calls} by the 100 that dropped it")
+""", CHECK),
     code("""
 print("every benchmarked call gave the exact sum:", all(t.correct for t in bench))
 """, CHECK),
