@@ -192,8 +192,8 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
             _sync_device()
             if iteration >= settings.warmup:
                 seconds[i].append(time.perf_counter() - start)
-    return [CaseTiming(c, tuple(s), _bucket_count(c, settings, m))
-            for c, s, m in zip(cases, seconds, models, strict=True)]
+    return [CaseTiming(c, tuple(s), _bucket_count(c, settings))
+            for c, s in zip(cases, seconds, strict=True)]
 
 
 def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sync: bool
@@ -209,19 +209,34 @@ def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sy
             synchronise(model)
 
 
-def torch_bucket_count(model: DistributedDataParallel) -> int:
-    """How many buckets torch's DDP all-reduces per iteration, from its logging data (a
-    private method, in torch since 1.9). Its first iteration has one bucket; before the second
-    it rebuilds them in gradient-arrival order. The logging data is written as each forward
-    starts, so it shows the rebuilt buckets from the third iteration on."""
-    data = model._get_ddp_logging_data()
-    sizes = data.get("rebuilt_bucket_sizes") or data["bucket_sizes"]
-    return len(str(sizes).split(","))
+def torch_bucket_counts(settings: StepSettings, bucket_cap_mb: float,
+                        iterations: int = 2) -> list[int]:
+    """How many buckets torch's DDP all-reduces in each of its first ``iterations``
+    iterations on the experiment's model, at ``bucket_cap_mb``. Every rank must call it.
+
+    torch's DDP makes its all-reduces in C++, where a counter of ours cannot see them, so a
+    fresh, untimed copy of the model gets a communication hook (public API) that counts its
+    calls and then does what the default hook does. Its first iteration has one bucket: the
+    order in which gradients arrive is not known yet. Before the second forward it rebuilds
+    them in the order they arrived, up to the cap.
+    """
+    model = wrap(Implementation.TORCH, mlp(settings), bucket_cap_mb)
+    hook = _HookCalls()
+    model.register_comm_hook(hook, _counting_hook)
+    x = torch.randn(settings.batch, settings.width,
+                    generator=torch.Generator().manual_seed(0)).to(rank_device())
+    counts = []
+    for _ in range(iterations):
+        hook.calls = 0
+        model(x).square().mean().backward()
+        counts.append(hook.calls)
+    return counts
 
 
-def _bucket_count(case: Case, settings: StepSettings, model: nn.Module) -> int:
-    if isinstance(model, DistributedDataParallel):
-        return torch_bucket_count(model)
+def _bucket_count(case: Case, settings: StepSettings) -> int:
+    """All-reduces per iteration of ``case`` once its buckets are settled."""
+    if case.implementation is Implementation.TORCH:
+        return torch_bucket_counts(settings, case.bucket_cap_mb)[-1]
     if case.implementation is Implementation.FSDP:
         return 0  # all-gathers and reduce-scatters, no all-reduce
     if case.implementation is Implementation.NAIVE:

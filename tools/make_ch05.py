@@ -248,21 +248,23 @@ same in C++, but builds its buckets differently. With `find_unused_parameters=Fa
 first iteration puts every parameter into one bucket, because the order in which gradients
 arrive is not known yet; after that iteration it rebuilds its buckets in the order the
 gradients arrived, up to the cap. (Only when `bucket_cap_mb` is left unset does the rebuilt
-first bucket get a smaller cap of its own, `dist._DEFAULT_FIRST_BUCKET_BYTES`; here the cap is
-given.) The untimed warm-up steps include that first iteration.
+first bucket get a smaller cap of its own; here the cap is given.) The untimed warm-up steps
+include that first iteration.
 
-The all-reduce count in torch's row is read from torch's DDP after the timed steps: its
-logging data (`_get_ddp_logging_data()`, a private method) lists the rebuilt buckets. It is the
-same number as `labs.ddp.assign_buckets` gives labs' DDP at this cap, and the accumulation
-section below finds it again by counting torch's all-reduces with a communication hook.
+torch's DDP makes its all-reduces in C++, out of sight of Python, so the all-reduce count in
+torch's row comes from an untimed copy of the same model with a communication hook
+(`register_comm_hook`, public API) that counts its calls before all-reducing as the default
+hook does: `labs.ddp_experiments.torch_bucket_counts` runs two iterations and reports the
+second, after the rebuild. It is the same number as `labs.ddp.assign_buckets` gives labs' DDP
+at this cap, and the accumulation section below counts the same way.
 
 ### The bucket size
 
 A bucket is a trade: small buckets start communicating early but pay the per-message latency
 many times; one big bucket pays it once but cannot start until backward has finished. Each
 point below is one launch's median step time at one cap; the numbers above the points are
-the buckets per step (labs' from `assign_buckets`, torch's read from torch's DDP). This model cannot show many
-small buckets: each weight is as large as the 256 KiB cap, and a bucket closes once its weight
+the buckets per step (labs' from `assign_buckets`, torch's counted by the hook above). This
+model cannot show many small buckets: each weight is as large as the 256 KiB cap, and a bucket closes once its weight
 is in it, so every cap up to 256 KiB gives one bucket per layer.
 """),
     code("""
