@@ -8,7 +8,10 @@ The library the book's notebooks import. Modules follow the chapters:
   ``from labs.launch import ...``; ``import labs.launch as m`` gives the function too.
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
-  point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces.
+  point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces;
+  beneath it :mod:`labs.p2p` (the point-to-point calls, counted) and
+  :mod:`labs.ring_schedule` (how a ring pass runs: lock-step, or pipelined from a schedule
+  compiled once).
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model fitted on this machine.
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
 * :mod:`labs.experiments` - chapters 2-4: ring traces, traffic counts, agreement across ranks.

@@ -1,0 +1,188 @@
+"""Point-to-point plumbing of the collectives, and what a run of them records.
+
+:class:`Peers` is what every collective of :mod:`labs.collectives` starts with: the group's
+ranks, ``isend``/``irecv`` that count their traffic into a :class:`Recorder`, and
+:meth:`Peers.exchange`, one step of a ring (a send to the right while receiving from the
+left), batched on NCCL, where two separate calls on one pair of ranks can deadlock.
+:class:`CommStats` are the counts; :class:`RingStep` and :class:`Phase` are what a traced
+ring records, step by step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, Work
+
+
+class Phase(enum.Enum):
+    """The two halves of a ring all-reduce."""
+
+    #: Each step a rank sends one partial sum to its right and adds the chunk from its left;
+    #: after N-1 steps rank r holds chunk r summed over all ranks.
+    REDUCE_SCATTER = "reduce-scatter"
+    #: Each step a rank forwards a finished chunk to its right; after N-1 steps every rank
+    #: holds every finished chunk.
+    ALL_GATHER = "all-gather"
+
+
+@dataclass
+class CommStats:
+    """Point-to-point traffic of one rank: one message per ``isend``/``irecv``."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of a ring run on one rank, as the trace records it (values for small tensors)."""
+
+    rank: int
+    phase: Phase
+    step: int  #: 0 .. N-2 within the phase
+    sent_chunk: int
+    received_chunk: int
+    sent: tuple[float, ...]  #: the values sent to the right neighbour
+    received: tuple[float, ...]  #: the values that arrived from the left neighbour
+    chunk_after: tuple[float, ...]  #: the received chunk after this rank combined it
+
+
+@dataclass
+class Recorder:
+    """Pass one to a collective to count its messages and bytes (always) and, with
+    ``trace=True``, to record every ring step with its values (forces the unpipelined ring,
+    so one step is one message; meant for tensors of a few elements)."""
+
+    trace: bool = False
+    stats: CommStats = field(default_factory=CommStats)
+    steps: list[RingStep] = field(default_factory=list)
+
+
+@dataclass
+class Peers:
+    """Group-relative ranks, point-to-point calls that count their traffic, and the checks
+    every collective starts with."""
+
+    group: ProcessGroup | None
+    rank: int
+    size: int
+    recorder: Recorder | None
+
+    @functools.cached_property
+    def backend(self) -> str:
+        """The group's backend as ``dist.get_backend`` names it ("gloo", "cpu:gloo,cuda:nccl");
+        asked for only when needed (a CPU tensor on the pipelined ring never needs it)."""
+        return str(dist.get_backend(self.group))
+
+    @classmethod
+    def of(cls, group: ProcessGroup | None, recorder: Recorder | None,
+           tensor: torch.Tensor | None = None) -> Peers:
+        """The peers of ``group``. Pass the ``tensor`` that will be sent when the caller
+        sends it point to point: a backend that cannot carry it is refused here, before any
+        rank starts a send its peers would wait on."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call this inside a function run by "
+                "labs.launch (or under torchrun after init_process_group)."
+            )
+        peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
+        if tensor is not None and peers.size > 1:
+            peers.check_can_send(tensor)
+        return peers
+
+    def check_can_send(self, tensor: torch.Tensor) -> None:
+        """Refuse a tensor this group's send/recv cannot carry.
+
+        gloo's own collectives accept CUDA tensors (they stage them through host memory), but
+        its send/recv hand the tensor's pointer to the socket as if it were host memory: the
+        kernel refuses a device address ("writev ...: Bad address") and the peer is left
+        waiting. Measured on one GPU with two gloo ranks; the same call on CPU tensors works.
+        """
+        kind = tensor.device.type
+        if kind != "cpu" and backend_for_device(self.backend, kind) == "gloo":
+            raise ValueError(
+                f"rank {self.rank}: these collectives are built on send/recv, and gloo's "
+                f"send/recv cannot carry {kind} tensors (tensor on {tensor.device}). Use "
+                "backend='nccl' with one GPU per rank, or keep the tensor on the CPU "
+                "(labs.rank_device() picks the device that matches the backend)."
+            )
+
+    def global_rank(self, group_rank: int) -> int:
+        group_rank %= self.size
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def count(self, tensor: torch.Tensor, *, sent: bool) -> None:
+        """Add one message of ``tensor`` to the recorder's stats, if there is a recorder."""
+        if self.recorder is None:
+            return
+        stats, nbytes = self.recorder.stats, tensor.numel() * tensor.element_size()
+        if sent:
+            stats.messages_sent += 1
+            stats.bytes_sent += nbytes
+        else:
+            stats.messages_received += 1
+            stats.bytes_received += nbytes
+
+    def isend(self, tensor: torch.Tensor, to: int, tag: int = 0) -> Work:
+        self.count(tensor, sent=True)
+        return dist.isend(tensor, self.global_rank(to), group=self.group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Work:
+        self.count(tensor, sent=False)
+        return dist.irecv(tensor, self.global_rank(source), group=self.group, tag=tag)
+
+    def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
+        """Send ``send`` to ``to`` while receiving into ``recv`` from ``source``.
+
+        On NCCL the two go as one batch (``batch_isend_irecv``): two separate calls on the
+        same pair of ranks can deadlock there. gloo has no such hazard and the batch only
+        costs it time (on a 16-core host a lock-step ring all-reduce of 1 MiB took a fifth
+        longer batched at 2 ranks, a third longer at 4), so under gloo the receive is posted
+        first, then the send."""
+        sending, receiving = send.numel() > 0, recv.numel() > 0
+        if sending:
+            self.count(send, sent=True)
+        if receiving:
+            self.count(recv, sent=False)
+        if backend_for_device(self.backend, send.device.type) == "gloo":
+            works = []
+            if receiving:
+                works.append(dist.irecv(recv, self.global_rank(source), group=self.group))
+            if sending:
+                works.append(dist.isend(send, self.global_rank(to), group=self.group))
+        else:
+            ops = []
+            if sending:
+                ops.append(dist.P2POp(dist.isend, send, self.global_rank(to), self.group))
+            if receiving:
+                ops.append(dist.P2POp(dist.irecv, recv, self.global_rank(source), self.group))
+            works = dist.batch_isend_irecv(ops) if ops else []
+        for work in works:
+            work.wait()
+
+
+def exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int,
+             group: ProcessGroup | None = None) -> None:
+    """One lock-step ring step as a function: send ``send`` to rank ``to`` while receiving
+    ``recv`` from rank ``source`` (ranks in ``group``, taken modulo its size, so ``rank + 1``
+    and ``rank - 1`` are the ring's neighbours), both finished on return. Batched on
+    NCCL, receive-then-send on gloo (see :meth:`Peers.exchange`); the cost model times its
+    messages with this."""
+    Peers.of(group, None, send).exchange(send, to, recv, source)
+
+
+def backend_for_device(backend: str, device_type: str) -> str:
+    """Which backend of ``backend`` (as ``dist.get_backend`` names it) carries tensors of
+    ``device_type``: a group has one backend ("gloo") or one per device type
+    ("cpu:gloo,cuda:nccl"). A device type the string does not name gets the string back."""
+    if ":" not in backend:
+        return backend
+    per_device = dict(part.split(":", 1) for part in backend.split(","))
+    return per_device.get(device_type, backend)
