@@ -606,8 +606,8 @@ prints the same table from ranks that `torchrun` started, across nodes too, wher
 messages cross a real network. On a machine shared with other
 work the timings move from run to run, and on a small machine they also
 move from launch to launch, with the way the ranks happen to share the cores; so the cell
-runs three launches per world size, each with at least 8 calls of each algorithm per size and
-more at the smaller sizes (as many as it takes to move 256 MiB, at most 100). Within a launch the two algorithms take turns call by call
+runs three launches per world size, each with at least 6 calls of each algorithm per size and
+more at the smaller sizes (as many as it takes to move 128 MiB, at most 100). Within a launch the two algorithms take turns call by call
 (each iteration in the opposite order to the last), so call $i$ of the ring and call $i$ of
 torch's met the same load, and each ratio in the `busbw / torch` column is the median of those
 per-call ratios, all launches pooled (so it need not equal the quotient of the two `busbw`
@@ -633,7 +633,7 @@ with many cores).
     code("""
 bench_settings = SweepSettings(
     collectives=(Collective.ALL_REDUCE,), algorithms=(Algorithm.RING, Algorithm.TORCH),
-    sizes=(1 << 20, 1 << 24, 1 << 26), world_sizes=(2, 4), iters=8, min_bytes=256 << 20,
+    sizes=(1 << 20, 1 << 24, 1 << 26), world_sizes=(2, 4), iters=6, min_bytes=128 << 20,
     launches=3,
 )
 print("the same from a shell:", sweep_command(bench_settings))
