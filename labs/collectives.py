@@ -219,7 +219,7 @@ def _reduce_scatter_steps(
         else:
             land, result, addend, after = None, own, own, None
         steps.append(StepPlan(Phase.REDUCE_SCATTER, k, (rank - k - 1) % n, received, send,
-                               land, result, addend, after))
+                              land, result, addend, after))
         send = result
     return steps, send
 
@@ -236,7 +236,7 @@ def _all_gather_steps(
         received = (rank - k - 1) % n
         dest = flat[bounds[received]:bounds[received + 1]]
         steps.append(StepPlan(Phase.ALL_GATHER, k, (rank - k) % n, received, send, dest, dest,
-                               None))
+                              None))
         send = dest
     return steps
 
@@ -257,10 +257,10 @@ def ring_all_reduce(
     ranks end with bit-identical values.
 
     On CPU, chunks are cut into ``segment_bytes`` segments and pipelined (see
-    :func:`compile_pipelined`); ``segment_bytes=None`` runs the plain lock-step ring (always
-    used for CUDA tensors and when ``recorder.trace`` is on). Pass the same
-    :class:`RingBuffers` to repeated calls to keep the scratch buffers and the pass's schedule
-    between them.
+    :func:`labs.ring_schedule.compile_pipelined`); ``segment_bytes=None`` runs the plain
+    lock-step ring (always used for CUDA tensors and when ``recorder.trace`` is on). Pass the
+    same :class:`RingBuffers` to repeated calls to keep the scratch buffers and the pass's
+    schedule between them.
     """
     _check(tensor, op)
     peers = Peers.of(group, recorder, tensor)
@@ -343,7 +343,7 @@ def ring_all_gather(
     mine.copy_(flat_shard)
     if peers.size > 1 and numel:
         run_ring(peers, out, lambda: _all_gather_steps(out, bounds, peers.rank, mine),
-                  segment_bytes, window)
+                 segment_bytes, window)
     return out
 
 

@@ -47,6 +47,7 @@ from labs.collectives import (
     shard_bounds,
 )
 from labs.launch import MAX_WORLD_SIZE, Backend, launch
+from labs.timing import COMM_THREADS
 
 # --- the ring trace ---------------------------------------------------------------------------
 
@@ -482,7 +483,8 @@ def planning_worker(
 
 
 def measure_planning(world_size: int = 2, settings: PlanningSettings | None = None) -> Planning:
-    """One launch of :func:`planning_worker` on gloo; medians over the timed pairs."""
+    """One launch of :func:`planning_worker` on gloo, one intra-op thread per rank as the
+    benchmark runs the ring; medians over the timed pairs."""
     settings = PlanningSettings() if settings is None else settings
     if not 2 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world size {world_size} is out of range 2..{MAX_WORLD_SIZE}: one "
@@ -494,7 +496,7 @@ def measure_planning(world_size: int = 2, settings: PlanningSettings | None = No
         raise ValueError(f"iters must be at least 1 and warmup at least 0, got "
                          f"iters={settings.iters}, warmup={settings.warmup}.")
     results = launch(planning_worker, world_size, args=(settings,), backend=Backend.GLOO,
-                     echo=False)
+                     echo=False, threads=COMM_THREADS)
     slowest = [tuple(max(rank_pairs[i][k] for rank_pairs, _ in results) for k in (0, 1))
                for i in range(settings.iters)]
     return Planning(

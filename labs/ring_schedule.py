@@ -230,7 +230,7 @@ def compile_pipelined(
         step = steps[i]
         if step.addend is not None:
             instructions.append(Op(OpKind.ADD, tensor=landed, addend=step.addend[start:stop],
-                           out=step.result[start:stop]))
+                                   out=step.result[start:stop]))
         if uses_scratch[e] and next_scratch < len(scratch_events):
             post_recv(scratch_events[next_scratch])  # reuses the scratch buffer just freed
             next_scratch += 1
@@ -238,7 +238,7 @@ def compile_pipelined(
             post_send(i + 1, start, stop)
     instructions.extend(Op(OpKind.WAIT, handle) for handle in sends.values())
     return Program(key, instructions, peers.global_rank(peers.rank + 1),
-                    peers.global_rank(peers.rank - 1))
+                   peers.global_rank(peers.rank - 1))
 
 
 def execute(peers: Peers, program: Program) -> None:
