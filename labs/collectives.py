@@ -52,10 +52,7 @@ from labs.p2p import exchange as exchange
 from labs.ring_schedule import DEFAULT_SEGMENT_BYTES as DEFAULT_SEGMENT_BYTES
 from labs.ring_schedule import DEFAULT_WINDOW as DEFAULT_WINDOW
 from labs.ring_schedule import RingBuffers as RingBuffers
-from labs.ring_schedule import StepPlan, run_ring
-
-_SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG)
-
+from labs.ring_schedule import StepPlan, execute, run_ring
 
 # --- chunking -------------------------------------------------------------------------------
 
@@ -83,11 +80,22 @@ def _is_avg(op: ReduceOp) -> bool:
     return op is ReduceOp.AVG or (op is not ReduceOp.SUM and op == ReduceOp.AVG)
 
 
+def _is_supported(op: object) -> bool:
+    """SUM or AVG, given as torch spells them: ``ReduceOp.SUM`` (a ``ReduceOp.RedOpType``) or
+    a ``ReduceOp`` object made from one, ``ReduceOp(ReduceOp.SUM)``, which torch's own
+    collectives accept too. Not the plain integers the enum compares equal to. The ``ReduceOp``
+    object goes on the left of ``==``: ``ReduceOp.SUM == ReduceOp(ReduceOp.SUM)`` is False."""
+    if op is ReduceOp.SUM or op is ReduceOp.AVG:
+        return True
+    return isinstance(op, (ReduceOp, ReduceOp.RedOpType)) and (
+        op == ReduceOp.SUM or op == ReduceOp.AVG)
+
+
 def _check(tensor: torch.Tensor, op: ReduceOp) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if op is not ReduceOp.SUM and op not in _SUPPORTED_OPS:
-        raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op}")
+    if not _is_supported(op):
+        raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
     if _is_avg(op) and not tensor.is_floating_point():
         raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
 
@@ -262,6 +270,15 @@ def ring_all_reduce(
     same :class:`RingBuffers` to repeated calls to keep the scratch buffers and the pass's
     schedule between them.
     """
+    kept = buffers.program if buffers is not None else None
+    if (kept is not None and recorder is None and isinstance(tensor, torch.Tensor)
+            and (op is ReduceOp.SUM or op is ReduceOp.AVG and tensor.is_floating_point())
+            and kept.serves(tensor, group, segment_bytes, window)):
+        # The very call the kept pass was compiled (and everything checked) for: run it.
+        execute(kept)
+        if op is ReduceOp.AVG:
+            tensor.div_(kept.size)
+        return tensor
     _check(tensor, op)
     peers = Peers.of(group, recorder, tensor)
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Work
+from torch.distributed import ProcessGroup, Work
 
 from labs.p2p import Peers, Phase, RingStep
 
@@ -136,7 +136,8 @@ class OpKind(enum.Enum):
     RECV = "recv"  #: post a receive into ``tensor`` from the left neighbour: message ``handle``
     SEND = "send"  #: post a send of ``tensor`` to the right neighbour: message ``handle``
     WAIT = "wait"  #: wait until message ``handle`` has arrived (a receive) or left (a send)
-    ADD = "add"  #: ``out = addend + tensor``, the received segment in ``tensor``
+    ADD = "add"  #: ``out = addend + tensor``, the received segment in ``tensor`` (``out`` may be
+    #: ``addend`` itself: then it is added to in place)
 
 
 class Op(NamedTuple):
@@ -150,21 +151,43 @@ class Op(NamedTuple):
     out: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Program:
     """A pipelined ring pass compiled for one tensor: every post, wait and addition in the
     order :func:`execute` issues them, the views of the tensor and of the scratch buffers
-    already cut. ``key`` names the call it was compiled for (:func:`run_ring`)."""
+    already cut, and the call it was compiled for (:meth:`serves`)."""
 
-    key: tuple[object, ...]
     instructions: list[Op]
-    right: int  #: the global rank that SEND sends to
-    left: int  #: the global rank that RECV receives from
+    group: ProcessGroup  #: the process group the messages go through (never None)
+    right: int  #: the group rank that SEND sends to
+    left: int  #: the group rank that RECV receives from
+    size: int  #: the group's size
+    address: int  #: ``data_ptr()`` of the tensor it was compiled for
+    numel: int
+    dtype: torch.dtype
+    segment_bytes: int
+    window: int
+
+    def serves(self, data: torch.Tensor, group: ProcessGroup | None, segment_bytes: int | None,
+               window: int) -> bool:
+        """Whether this pass was compiled for this very call: ``data``'s memory (address,
+        length, dtype; contiguous, on the CPU), the same process group object, segment and
+        window.
+
+        That is all a repeated call has to check. Everything else the first call checked
+        depends on nothing more: the rank and the size are fixed for the lifetime of a group
+        object (one destroyed and created again is another object), and so is whether its
+        backend can carry a CPU tensor. It is checked in as few Python calls as possible,
+        because they are slow on the ring's path (see :func:`execute`)."""
+        return (segment_bytes == self.segment_bytes and window == self.window
+                and data.data_ptr() == self.address and data.numel() == self.numel
+                and data.dtype == self.dtype and data.is_cpu and data.is_contiguous()
+                and (dist.group.WORLD if group is None else group) is self.group)
 
 
 def compile_pipelined(
-    peers: Peers, steps: list[StepPlan], segment: int, window: int,
-    buffers: RingBuffers | None, key: tuple[object, ...],
+    peers: Peers, data: torch.Tensor, steps: list[StepPlan], segment_bytes: int, window: int,
+    buffers: RingBuffers | None,
 ) -> Program:
     """The same steps cut into segments and overlapped: as soon as a segment of step k has
     arrived and been combined it is sent on as that segment of step k+1, while later segments
@@ -176,6 +199,8 @@ def compile_pipelined(
     Nothing is sent here: the schedule is written down as a list of instructions, which
     :func:`execute` runs. Working it out costs Python time on every call, so a caller that
     passes :class:`RingBuffers` keeps the compiled pass and repeats it."""
+    called_with = (segment_bytes, window)  # what serves() compares a later call with
+    segment, window = max(1, segment_bytes // data.element_size()), max(1, window)
     events = [(i, start, stop) for i, step in enumerate(steps)
               for start, stop in _segments(step.result.numel(), segment)]
     dtype, device = steps[0].send.dtype, steps[0].send.device
@@ -193,7 +218,9 @@ def compile_pipelined(
 
     def post(kind: OpKind, tensor: torch.Tensor, tag: int) -> int:
         handle = next(handles)
-        instructions.append(Op(kind, handle, tensor, tag))
+        # What dist.isend would do on every call: a complex tensor travels as real pairs.
+        wire = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        instructions.append(Op(kind, handle, wire, tag))
         return handle
 
     def post_send(i: int, start: int, stop: int) -> None:
@@ -229,42 +256,52 @@ def compile_pipelined(
         instructions.append(Op(OpKind.WAIT, handle))
         step = steps[i]
         if step.addend is not None:
-            instructions.append(Op(OpKind.ADD, tensor=landed, addend=step.addend[start:stop],
-                                   out=step.result[start:stop]))
+            addend = step.addend[start:stop]
+            # In place (the all-reduce accumulates in the tensor): one view, added to in place.
+            out = addend if step.addend is step.result else step.result[start:stop]
+            instructions.append(Op(OpKind.ADD, tensor=landed, addend=addend, out=out))
         if uses_scratch[e] and next_scratch < len(scratch_events):
             post_recv(scratch_events[next_scratch])  # reuses the scratch buffer just freed
             next_scratch += 1
         if i + 1 < len(steps):
             post_send(i + 1, start, stop)
     instructions.extend(Op(OpKind.WAIT, handle) for handle in sends.values())
-    return Program(key, instructions, peers.global_rank(peers.rank + 1),
-                   peers.global_rank(peers.rank - 1))
+    group = dist.group.WORLD if peers.group is None else peers.group
+    assert group is not None
+    return Program(instructions, group, (peers.rank + 1) % peers.size,
+                   (peers.rank - 1) % peers.size, peers.size, data.data_ptr(), data.numel(),
+                   data.dtype, *called_with)
 
 
-def execute(peers: Peers, program: Program) -> None:
-    """Run a compiled ring pass: post, wait and add in the order it lists them.
+def execute(program: Program, peers: Peers | None = None) -> None:
+    """Run a compiled ring pass: post, wait and add in the order it lists them, counting the
+    messages into ``peers``' recorder if it has one.
 
-    This loop is the ring's hot path, so it calls ``dist.isend``/``dist.irecv`` itself
-    rather than through :meth:`Peers.isend`: on a 2-core machine each Python call costs a
-    few microseconds while two ranks move data, and a 1 MiB all-reduce has only a few
-    hundred to spare."""
-    works: dict[int, Work] = {}
-    group, count = peers.group, peers.recorder is not None
-    right, left = program.right, program.left
-    for op in program.instructions:
-        kind = op.kind
-        if kind is OpKind.WAIT:
-            works.pop(op.handle).wait()
-        elif kind is OpKind.ADD:
-            torch.add(op.addend, op.tensor, out=op.out)
-        else:
-            assert op.tensor is not None
-            if count:
-                peers.count(op.tensor, sent=kind is OpKind.SEND)
-            if kind is OpKind.SEND:
-                works[op.handle] = dist.isend(op.tensor, right, group=group, tag=op.tag)
+    This loop is the ring's hot path. It posts through the process group's own ``send`` and
+    ``recv``, the calls ``dist.isend``/``dist.irecv`` end in, without their checks on every
+    message: the tensors, ranks and group were checked once, when the pass was compiled.
+    Python is slow here: on a 2-core machine, with caches just flushed by the data the ranks
+    move, each microsecond a profiler measures costs several, and a 1 MiB all-reduce has
+    only a few hundred to spare."""
+    works: list[Work] = [None] * len(program.instructions)  # type: ignore[list-item]
+    send, recv, right, left = program.group.send, program.group.recv, program.right, program.left
+    wait, add, post_send = OpKind.WAIT, OpKind.ADD, OpKind.SEND
+    counted = peers if peers is not None and peers.recorder is not None else None
+    for kind, handle, tensor, tag, addend, out in program.instructions:
+        if kind is wait:
+            works[handle].wait()
+        elif kind is add:
+            if out is addend:
+                out.add_(tensor)  # cheaper to call than torch.add(..., out=...)
             else:
-                works[op.handle] = dist.irecv(op.tensor, left, group=group, tag=op.tag)
+                torch.add(addend, tensor, out=out)
+        else:
+            if counted is not None:
+                counted.count(tensor, sent=kind is post_send)
+            if kind is post_send:
+                works[handle] = send([tensor], right, tag)
+            else:
+                works[handle] = recv([tensor], left, tag)
 
 
 def run_ring(
@@ -285,15 +322,12 @@ def run_ring(
         if laid_out:
             run_lockstep(peers, laid_out)
         return
-    segment, window = max(1, segment_bytes // data.element_size()), max(1, window)
-    key = (data.data_ptr(), data.numel(), data.dtype, peers.group, peers.rank, peers.size,
-           segment, window)
     program = buffers.program if buffers is not None else None
-    if program is None or program.key != key:
+    if program is None or not program.serves(data, peers.group, segment_bytes, window):
         laid_out = steps()
         if not laid_out:
             return
-        program = compile_pipelined(peers, laid_out, segment, window, buffers, key)
+        program = compile_pipelined(peers, data, laid_out, segment_bytes, window, buffers)
         if buffers is not None:
             buffers.program = program
-    execute(peers, program)
+    execute(program, peers)

@@ -830,47 +830,84 @@ def test_ring_buffers_are_reused_across_calls_and_change_nothing():
 
 def kept_schedule(rank, world_size, numel):
     """Calls of ring_all_reduce sharing one RingBuffers, each on new values: whether each call
-    ran the schedule kept from the call before, and whether it gave the exact sum."""
+    ran the schedule kept from the call before, and whether it gave the exact result."""
     buffers, found = RingBuffers(), []
     everyone = dist.new_group(list(range(world_size)))
     a, b = torch.empty(numel), torch.empty(numel)
     recorder = Recorder()
     calls = [("a", a, {}), ("a again", a, {}), ("a, another view", a.view(2, -1), {}),
+             ("a, averaged", a, {"op": ReduceOp.AVG}),
              ("b, same size", b, {}), ("a after b", a, {}),
+             ("a as int32, same bytes", a.view(torch.int32), {}),
+             ("a as float again", a, {}),
+             ("a, strided view", a.view(2, -1).t(), {}),
              ("a, counted", a, {"recorder": recorder}),
              ("a, counted again", a, {"recorder": recorder}),
              ("a, another group", a, {"group": everyone}),
              ("a, that group again", a, {"group": everyone}),
+             ("a, the default group again", a, {}),
              ("a, other segments", a, {"segment_bytes": 128}),
+             ("a, window 1", a, {"segment_bytes": 128, "window": 1}),
              ("a, lock-step", a, {"segment_bytes": None})]
     for call, (label, target, kwargs) in enumerate(calls):
         before = buffers.program
-        target.view(-1).copy_(torch.arange(numel, dtype=torch.float32) * (rank + 1) + call)
+        values = torch.arange(numel, dtype=torch.float32) * (rank + 1) + call
+        target.copy_(values.view(target.shape))  # in target's own element order
         ring_all_reduce(target, buffers=buffers, **{"segment_bytes": 64, **kwargs})
         total = (torch.arange(numel, dtype=torch.float32) * world_size * (world_size + 1) / 2
                  + call * world_size)
-        found.append((label, buffers.program is before, torch.equal(target.view(-1), total)))
+        if kwargs.get("op") is ReduceOp.AVG:
+            total /= world_size
+        found.append((label, buffers.program is before,
+                      torch.equal(target.reshape(-1), total.to(target.dtype))))
     return found, recorder.stats.messages_sent
 
 
 def test_ring_buffers_keep_the_schedule_for_the_same_call_only():
-    # A schedule is compiled again for another tensor, group or segment size; kept otherwise.
+    # A schedule is compiled again for another tensor, dtype, group, segment size or window;
+    # kept otherwise. A strided view is reduced through a contiguous copy: new memory, so a
+    # new schedule (and "a, counted" then compiles for a again). Each call starts from new
+    # values and must end with the exact result.
     numel, world_size = 300, 3
     ranks = launch(kept_schedule, world_size, args=(numel,), backend="gloo", echo=False,
                    timeout=TIMEOUT)
-    reused = {"a": False, "a again": True, "a, another view": True, "b, same size": False,
-              "a after b": False, "a, counted": True, "a, counted again": True,
-              "a, another group": False, "a, that group again": True,
-              "a, other segments": False, "a, lock-step": True}
+    reused = {"a": False, "a again": True, "a, another view": True, "a, averaged": True,
+              "b, same size": False, "a after b": False, "a as int32, same bytes": False,
+              "a as float again": False, "a, strided view": False, "a, counted": False,
+              "a, counted again": True, "a, another group": False,
+              "a, that group again": True, "a, the default group again": False,
+              "a, other segments": False, "a, window 1": False, "a, lock-step": True}
     # 64-byte segments of a 100-element chunk: 7 messages a step, 2(N-1) steps, per call.
     messages = 2 * 2 * (world_size - 1) * math.ceil(numel // world_size * 4 / 64)
     for rank, (found, sent) in enumerate(ranks):
         assert [label for label, _, _ in found] == list(reused)
         for label, kept, exact in found:
-            assert exact, f"rank {rank}, call {label!r}: not the exact sum"
+            assert exact, f"rank {rank}, call {label!r}: not the exact result"
             assert kept == reused[label], (
                 f"rank {rank}, call {label!r}: schedule {'kept' if kept else 'compiled again'}")
         assert sent == messages, f"rank {rank}: {sent} messages counted in two calls"
+
+
+def refused_with_a_kept_schedule(rank, world_size):
+    """Calls a kept schedule would fit but the arguments do not allow: each must still be
+    refused, on every rank, before any message."""
+    buffers, floats, ints = RingBuffers(), torch.ones(64), torch.ones(64, dtype=torch.int64)
+    errors = []
+    for tensor, op in ((floats, ReduceOp.MAX), (ints, ReduceOp.AVG)):
+        ring_all_reduce(tensor, buffers=buffers)  # compiles and keeps the schedule
+        try:
+            ring_all_reduce(tensor, op, buffers=buffers)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_kept_schedule_never_skips_the_checks_of_the_op():
+    ranks = launch(refused_with_a_kept_schedule, 2, backend="gloo", echo=False, timeout=TIMEOUT)
+    for rank, (max_error, avg_error) in enumerate(ranks):
+        assert max_error is not None and "SUM or ReduceOp.AVG" in max_error, (rank, max_error)
+        assert avg_error is not None and "floating-point" in avg_error, (rank, avg_error)
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -890,13 +927,33 @@ def all_reduce_calls() -> dict[str, object]:
     return calls
 
 
-@pytest.mark.parametrize("op", [ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT])
+@pytest.mark.parametrize("op", [ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT,
+                                ReduceOp(ReduceOp.MAX), 0],
+                         ids=["MAX", "MIN", "PRODUCT", "ReduceOp(MAX)", "int 0"])
 @pytest.mark.parametrize("name", list(all_reduce_calls()))
 def test_ops_other_than_sum_and_avg_are_refused_before_any_message(name, op):
     """Checked before the process group is even looked at (none exists in this process), so
     a bad op can never leave the other ranks waiting."""
     with pytest.raises(ValueError, match=r"SUM.*AVG"):
         all_reduce_calls()[name](torch.ones(4), op)
+
+
+def ops_as_objects(rank, world_size):
+    """Each entry point with ReduceOp(ReduceOp.SUM) and ReduceOp(ReduceOp.AVG), objects torch
+    accepts as well as the enum values, against the same call with the enum values."""
+    differ = []
+    for name, call in all_reduce_calls().items():
+        for op in (ReduceOp.SUM, ReduceOp.AVG):
+            x = torch.arange(10, dtype=torch.float64) * (rank + 1)
+            expected, got = call(x.clone(), op), call(x.clone(), ReduceOp(op))
+            if not torch.equal(expected, got):
+                differ.append(f"{name}, ReduceOp({op}): {got} instead of {expected}")
+    return differ
+
+
+def test_reduce_op_objects_work_as_torch_accepts_them():
+    ranks = launch(ops_as_objects, 3, backend="gloo", echo=False, timeout=TIMEOUT)
+    assert ranks == [[], [], []]
 
 
 @pytest.mark.parametrize("name", list(all_reduce_calls()))
