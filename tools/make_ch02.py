@@ -680,8 +680,12 @@ C++, where that costs little; in Python it is worth doing once. A caller passes 
 `RingBuffers` to every call, as the benchmark above does and as a training loop would, and
 the schedule is kept there with the scratch buffers and run again while the calls are the
 same (the same tensor memory, size, dtype, group and segments): plan once, run many times.
-What planning on every call would cost, timed in pairs of calls that take turns, one running
-the kept schedule, the other dropping it and planning again:
+Such a call also skips the checks its first call made (the group's ranks, whether the
+backend can carry the tensor), since none of them can have changed, and posts its messages
+through the process group's own `send` and `recv`, which `dist.isend` and `dist.irecv` call
+after checking their arguments on every message. What planning on every call would cost,
+timed in pairs of calls that take turns, one running the kept schedule, the other dropping it
+and planning again:
 """),
     code("""
 planning = measure_planning(2, PlanningSettings(size_bytes=1 << 20, iters=100))
