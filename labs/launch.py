@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import faulthandler
+import importlib
+import io
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -45,6 +47,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -388,15 +391,49 @@ def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bo
     return Backend(backend)
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus modules of a ``types.ModuleType`` subclass sent as imports.
+
+    A function that travels by value takes along, as imports, the submodules of its global
+    modules that share a name with an attribute it reads: a worker that uses ``torch`` and
+    reads ``spec.ops`` ships ``torch.ops``. cloudpickle sends a plain module as an import but
+    tries to pickle a subclass instance (``torch.ops`` is a ``torch._ops._Ops``) field by
+    field, and fails. Such a module is imported again by the rank, as any other module is."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def _dumps(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
 def _serialise(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
     try:
-        return cloudpickle.dumps((fn, tuple(args)))
-    except Exception as exc:
+        return _dumps((fn, tuple(args)))
+    except Exception as exc:  # noqa: BLE001 - any failure to pickle is reported the same way
+        cause = exc
+    problem = f"{type(cause).__name__}: {cause}"
+    try:  # which one could not travel: the function (and what it refers to) or an argument
+        _dumps(fn)
+    except Exception:  # noqa: BLE001 - any failure to pickle is reported the same way
+        name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
-            f"could not send fn and args to the ranks ({type(exc).__name__}: {exc}). "
-            "Arguments must be picklable: pass plain values, tensors or dataclasses, and "
-            "create open files, locks or sockets inside fn instead."
-        ) from exc
+            f"could not send fn {name} to the ranks ({problem}). A function defined in a "
+            "notebook or script travels by value, with the globals and closure variables it "
+            "uses: define open files, locks, sockets and other such objects inside fn, or "
+            "import it from a module."
+        ) from cause
+    raise TypeError(
+        f"could not send args to the ranks ({problem}). Arguments must be picklable: pass "
+        "plain values, tensors or dataclasses, and create open files, locks or sockets "
+        "inside fn instead."
+    ) from cause
 
 
 def cpu_cores() -> int:

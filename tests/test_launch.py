@@ -67,6 +67,10 @@ def return_rank(rank: int, world_size: int) -> int:
     return rank
 
 
+def return_rank_plus(rank: int, world_size: int, extra: object) -> int:
+    return rank
+
+
 # --- 1. ranks run fn inside an initialised process group; results in rank order -------------
 # Tests whose ranks run collectives on CPU tensors ask for gloo: under backend="auto" a machine
 # with a GPU per rank would pick nccl, which needs CUDA tensors.
@@ -511,6 +515,45 @@ def test_bad_input_is_refused_before_any_process_starts(kwargs, error, advice,
     call = {"fn": return_rank, "world_size": 2, "echo": False, **kwargs}
     with refuse_processes(), pytest.raises(error, match=advice):
         launch(call.pop("fn"), call.pop("world_size"), **call)
+
+
+class Spec:
+    """An argument with an attribute named like a torch submodule (``torch.ops``)."""
+
+    ops = ("add", "mul")
+
+
+def read_ops(rank: int, world_size: int, spec: Spec) -> tuple[str, ...]:
+    # Reads an attribute named ``ops`` and uses torch: cloudpickle ships ``torch.ops`` along
+    # with this function, an object it cannot pickle on its own (a ModuleType subclass).
+    return spec.ops if torch.is_tensor(torch.zeros(1)) else ()
+
+
+def test_a_worker_reading_an_attribute_named_like_a_torch_submodule_launches():
+    assert launch(read_ops, 2, args=(Spec(),), echo=False) == [("add", "mul"), ("add", "mul")]
+
+
+LOCK = threading.Lock()
+
+
+def use_a_global_lock(rank: int, world_size: int) -> int:
+    with LOCK:
+        return rank
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "advice"),
+    [
+        (use_a_global_lock, (), r"could not send fn use_a_global_lock.*define open files, "
+                                r"locks.*inside fn"),
+        (return_rank_plus, (threading.Lock(),), r"could not send args.*Arguments must be "
+                                                r"picklable"),
+    ],
+    ids=["the function", "an argument"],
+)
+def test_what_cannot_travel_to_the_ranks_is_named(fn, args, advice, refuse_processes):
+    with refuse_processes(), pytest.raises(TypeError, match=advice):
+        launch(fn, 2, args=args, echo=False)
 
 
 def test_the_process_guard_sees_a_launch(refuse_processes):
