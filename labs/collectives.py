@@ -276,9 +276,7 @@ def ring_all_reduce(
             and kept.serves(tensor, group, segment_bytes, window)):
         # The very call the kept pass was compiled (and everything checked) for: run it.
         execute(kept)
-        if op is ReduceOp.AVG:
-            tensor.div_(kept.size)
-        return tensor
+        return _finish(tensor, op, kept.size)
     _check(tensor, op)
     peers = Peers.of(group, recorder, tensor)
 
