@@ -419,8 +419,9 @@ def compare_algorithms(
 class PlanningSettings:
     """Pipelined ring all-reduces of one float32 tensor on every rank, in pairs: one call runs
     the schedule kept in a :class:`~labs.collectives.RingBuffers` from the call before, the
-    other first drops it, so that the call works out which segment goes where again (the
-    scratch buffers are kept for both). The two take turns, each pair in the opposite order to
+    other first drops it, so that the call works out which segment goes where again and, no
+    longer the call a kept pass serves, checks its arguments again (the scratch buffers are
+    kept for both). The two take turns, each pair in the opposite order to
     the last, after a barrier each.
 
     Attributes:
