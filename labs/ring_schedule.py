@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,8 +54,9 @@ class RingBuffers:
 
     A caller that all-reduces many times, as a training loop does and as the benchmark does,
     passes one ``RingBuffers``. The kept schedule holds views of the last tensor served, so
-    that tensor's memory lives until the buffers serve another tensor or are dropped. Results
-    never live in these buffers.
+    that tensor's memory lives until the buffers serve another tensor or are dropped. Its
+    process group it holds only weakly: a destroyed group is freed all the same, and the kept
+    schedule then serves no call. Results never live in these buffers.
     """
 
     tensors: list[torch.Tensor] = field(default_factory=list)
@@ -158,7 +160,10 @@ class Program:
     already cut, and the call it was compiled for (:meth:`serves`)."""
 
     instructions: list[Op]
-    group: ProcessGroup  #: the process group the messages go through (never None)
+    #: The process group the messages go through, held weakly: a kept pass must not keep a
+    #: destroyed group (its sockets, its store) alive, and once the group is gone the pass
+    #: serves no call.
+    group_ref: weakref.ref[ProcessGroup]
     right: int  #: the group rank that SEND sends to
     left: int  #: the group rank that RECV receives from
     size: int  #: the group's size
@@ -179,10 +184,21 @@ class Program:
         object (one destroyed and created again is another object), and so is whether its
         backend can carry a CPU tensor. It is checked in as few Python calls as possible,
         because they are slow on the ring's path (see :func:`execute`)."""
+        kept_group = self.group_ref()
         return (segment_bytes == self.segment_bytes and window == self.window
                 and data.data_ptr() == self.address and data.numel() == self.numel
                 and data.dtype == self.dtype and data.is_cpu and data.is_contiguous()
-                and (dist.group.WORLD if group is None else group) is self.group)
+                and kept_group is not None
+                and (dist.group.WORLD if group is None else group) is kept_group)
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The process group the pass was compiled for; an error once it has been freed."""
+        group = self.group_ref()
+        if group is None:
+            raise RuntimeError("the process group this ring pass was compiled for no longer "
+                               "exists: compile the pass again (drop RingBuffers.program)")
+        return group
 
 
 def compile_pipelined(
@@ -268,7 +284,7 @@ def compile_pipelined(
     instructions.extend(Op(OpKind.WAIT, handle) for handle in sends.values())
     group = dist.group.WORLD if peers.group is None else peers.group
     assert group is not None
-    return Program(instructions, group, (peers.rank + 1) % peers.size,
+    return Program(instructions, weakref.ref(group), (peers.rank + 1) % peers.size,
                    (peers.rank - 1) % peers.size, peers.size, data.data_ptr(), data.numel(),
                    data.dtype, *called_with)
 
@@ -284,7 +300,8 @@ def execute(program: Program, peers: Peers | None = None) -> None:
     move, each microsecond a profiler measures costs several, and a 1 MiB all-reduce has
     only a few hundred to spare."""
     works: list[Work] = [None] * len(program.instructions)  # type: ignore[list-item]
-    send, recv, right, left = program.group.send, program.group.recv, program.right, program.left
+    group = program.group
+    send, recv, right, left = group.send, group.recv, program.right, program.left
     wait, add, post_send = OpKind.WAIT, OpKind.ADD, OpKind.SEND
     counted = peers if peers is not None and peers.recorder is not None else None
     for kind, handle, tensor, tag, addend, out in program.instructions:

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import gc
 import itertools
 import math
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -908,6 +910,34 @@ def test_a_kept_schedule_never_skips_the_checks_of_the_op():
     for rank, (max_error, avg_error) in enumerate(ranks):
         assert max_error is not None and "SUM or ReduceOp.AVG" in max_error, (rank, max_error)
         assert avg_error is not None and "floating-point" in avg_error, (rank, avg_error)
+
+
+def kept_pass_outlived_by_its_group(rank, world_size):
+    """A pass kept for a sub-group, then the sub-group destroyed: whether the group object was
+    freed while the buffers live on, and whether the next call (default group) is exact."""
+    buffers, tensor = RingBuffers(), torch.ones(256)
+    group = dist.new_group(list(range(world_size)))
+    ring_all_reduce(tensor, group=group, buffers=buffers, segment_bytes=256)
+    kept = buffers.program
+    freed = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    tensor.fill_(rank + 1)
+    ring_all_reduce(tensor, buffers=buffers, segment_bytes=256)
+    exact = torch.equal(tensor, torch.full((256,), world_size * (world_size + 1) / 2))
+    return freed() is None, buffers.program is not kept, exact
+
+
+def test_a_kept_pass_does_not_keep_a_destroyed_group_alive():
+    # The kept pass holds its group weakly: a destroyed group (its sockets, its store) is
+    # freed although the RingBuffers that kept a pass for it live on, and that pass then
+    # serves no call.
+    ranks = launch(kept_pass_outlived_by_its_group, 2, backend="gloo", echo=False,
+                   timeout=TIMEOUT)
+    for rank, (freed, compiled_again, exact) in enumerate(ranks):
+        assert freed, f"rank {rank}: the destroyed group is still alive, held by the kept pass"
+        assert compiled_again and exact, (rank, compiled_again, exact)
 
 
 # --- bad input ---------------------------------------------------------------------------------
