@@ -37,6 +37,7 @@ import enum
 import inspect
 import random
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -427,10 +428,15 @@ def _watched_all_reduces() -> Iterator[_Log]:
 
     def watched(original: Callable[..., Any], blocks: bool) -> Callable[..., Any]:
         def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # A wait made by dist.all_reduce itself: it was called with async_op=False (how
+            # torch 2.4 shows it: its AllreduceOptions have no asyncOp).
+            by_torch = sys._getframe(1).f_globals.get("__name__") == distributed_c10d.__name__
             for call in log.calls:
                 if call.work is self:
                     call.waited = True
                     call.waited_in_backward |= blocks and log.phase is _Phase.BACKWARD
+                    if by_torch and call.async_op is None:
+                        call.async_op = False
             return original(self, *args, **kwargs)
 
         return wait

@@ -459,7 +459,13 @@ def all_reduce(
     """All-reduce ``tensor`` in place with the chosen algorithm; returns ``tensor``."""
     if algorithm is Algorithm.TORCH:
         _check(tensor, op)
-        _torch_peers(group, recorder)
+        peers = _torch_peers(group, recorder)
+        if _sum_then_divide(op, peers, tensor):
+            def body(flat: torch.Tensor) -> None:
+                dist.all_reduce(flat, op=ReduceOp.SUM, group=group)
+                _finish(flat, op, peers.size)
+
+            return _in_place(tensor, body)
         return _in_place(tensor, lambda flat: dist.all_reduce(flat, op=op, group=group))
     fn = {
         Algorithm.NAIVE: naive_all_reduce,
@@ -479,6 +485,15 @@ def _torch_peers(group: ProcessGroup | None, recorder: Recorder | None) -> Peers
                          "built-in sends its own, which it cannot see: pass recorder=None with "
                          "Algorithm.TORCH, or count another algorithm.")
     return Peers.of(group, None)
+
+
+def _sum_then_divide(op: ReduceOp, peers: Peers, tensor: torch.Tensor) -> bool:
+    """Whether torch's built-in is asked for a SUM that is then divided by N, instead of AVG:
+    on gloo. gloo in torch 2.4 refuses AVG ("Cannot use ReduceOp.AVG with Gloo"); later
+    releases accept it and compute that SUM and division (bit for bit the same on torch 2.13,
+    ``tests/test_collectives.py``), so the two steps here change nothing where gloo has AVG
+    and work where it has not. NCCL averages natively."""
+    return _is_avg(op) and backend_for_device(peers.backend, tensor.device.type) == "gloo"
 
 
 def _only_ring_or_torch(collective: Collective, algorithm: Algorithm) -> None:
@@ -501,21 +516,23 @@ def reduce_scatter(
     if algorithm is Algorithm.RING:
         return ring_reduce_scatter(tensor, op, group, recorder=recorder)
     _check(tensor, op)
-    _torch_peers(group, recorder)
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    peers = _torch_peers(group, recorder)
+    n, r = peers.size, peers.rank
+    wire_op = ReduceOp.SUM if _sum_then_divide(op, peers, tensor) else op
     flat = tensor.detach().reshape(-1)
     bounds = shard_bounds(flat.numel(), n)
     longest = bounds[1] - bounds[0]
-    if longest * n == flat.numel():  # even chunks: no padded copy
-        out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-        builtin_reduce_scatter(out, flat.contiguous(), op, group)
-        return out
-    padded = torch.zeros(longest * n, dtype=flat.dtype, device=flat.device)
-    for i in range(n):  # chunk i at i*longest, so torch's even split matches ours
-        padded[i * longest: i * longest + bounds[i + 1] - bounds[i]] = flat[bounds[i]:bounds[i + 1]]
     out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-    builtin_reduce_scatter(out, padded, op, group)
-    return out[: bounds[r + 1] - bounds[r]].clone()
+    if longest * n == flat.numel():  # even chunks: no padded copy
+        builtin_reduce_scatter(out, flat.contiguous(), wire_op, group)
+    else:
+        padded = torch.zeros(longest * n, dtype=flat.dtype, device=flat.device)
+        for i in range(n):  # chunk i at i*longest, so torch's even split matches ours
+            padded[i * longest: i * longest + bounds[i + 1] - bounds[i]] = (
+                flat[bounds[i]:bounds[i + 1]])
+        builtin_reduce_scatter(out, padded, wire_op, group)
+        out = out[: bounds[r + 1] - bounds[r]].clone()
+    return _finish(out, op, n) if wire_op is not op else out
 
 
 def builtin_reduce_scatter(

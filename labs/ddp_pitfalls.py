@@ -174,7 +174,7 @@ def checkpoint_worker(rank: int, world_size: int, path: str) -> CheckpointReport
         torch.save(model.module.state_dict(), tmp)
         os.replace(tmp, path)  # a crash mid-save leaves the old checkpoint, not half a new one
     dist.barrier()  # nobody reads the file before rank 0 finished writing it
-    state = torch.load(path, map_location=device)
+    state = torch.load(path, map_location=device, weights_only=True)  # tensors only
     fresh = TwoHeads(seed=1000 + rank).to(device)
 
     def same() -> bool:

@@ -48,6 +48,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -294,7 +295,7 @@ def launch(
         raise LaunchTimeout(outcome.ranks, timeout, found)
     if isinstance(outcome, _Failed):
         raise _first_failure(outcome.failures)
-    results = RankResults(cloudpickle.loads(outcome.values[r]) for r in range(world_size))
+    results = RankResults(_unpack_result(outcome.values[r]) for r in range(world_size))
     results.stdout, results.stderr = stdout, stderr
     results.backend, results.seconds = chosen, time.monotonic() - started
     return results
@@ -548,6 +549,17 @@ def _pack_result(value: Any) -> bytes:
         ) from exc
 
 
+def _unpack_result(payload: bytes) -> Any:
+    """A rank's return value from :func:`_pack_result`'s bytes. torch 2.4 and 2.5 unpickle a
+    tensor's storage with ``torch.load(weights_only=False)`` and warn about untrusted pickles
+    on the first one; these bytes come from this launch's own ranks, and the warning would
+    land in every notebook that shows a tensor a rank returned."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"You are using `torch.load` with "
+                                "`weights_only=False`", category=FutureWarning)
+        return cloudpickle.loads(payload)
+
+
 def _to_cpu(value: Any) -> Any:
     """Tensors come back to the notebook on the CPU (never initialise CUDA in the kernel)."""
     if isinstance(value, torch.Tensor):
@@ -793,10 +805,39 @@ def run_torchrun(
     if chosen is Backend.NCCL:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(chosen.value)
+    device = torch.device("cuda", local_rank) if chosen is Backend.NCCL else torch.device("cpu")
+    in_flight: list[torch.Tensor] = []
     try:
-        value = _to_cpu(fn(rank, world_size, *args))
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(value, gathered, dst=0)
+        payload = _pack_result(fn(rank, world_size, *args))
+        payloads, in_flight = _gather_bytes(payload, rank, world_size, device)
     finally:
         dist.destroy_process_group()
-    return gathered
+    del in_flight  # only now that the group's threads have stopped (see _gather_bytes)
+    return None if payloads is None else [_unpack_result(p) for p in payloads]
+
+
+def _gather_bytes(payload: bytes, rank: int, world_size: int, device: torch.device,
+                  ) -> tuple[list[bytes] | None, list[torch.Tensor]]:
+    """Every rank's ``payload`` on rank 0 (None on the others), and the tensors that carried
+    them, which the caller must keep until the process group is destroyed.
+
+    It is ``dist.gather_object`` but for those tensors. On torch 2.4 gloo's worker thread lets
+    go of a collective's tensors a moment after the caller's wait returns. If its reference is
+    the last, freeing a tensor needs the GIL, which the main thread holds while
+    ``destroy_process_group`` waits for that thread to stop: the rank hangs for ever (seen
+    under torchrun in 2 runs of 10: the main thread in ``~ProcessGroupGloo``, the worker in
+    ``~AsyncGatherWork``). Kept here, the tensors outlive the worker's reference."""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    received = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(padded, received, dst=0)
+    in_flight = [size, *sizes, padded, *(received or [])]
+    if received is None:
+        return None, in_flight
+    payloads = [t[:n].cpu().numpy().tobytes() for t, n in zip(received, lengths, strict=True)]
+    return payloads, in_flight

@@ -160,6 +160,8 @@ def reduce_scatter_list(grad):
 )
 def test_other_right_answers_pass(check, answer):
     result = check(answer, world_sizes=(3,))
+    if not result.passed and "ProcessGroupGloo does not support reduce_scatter" in result.message:
+        pytest.skip("this torch's gloo has no dist.reduce_scatter (torch 2.4 has none)")
     assert result.passed, result.message
 
 
@@ -352,13 +354,10 @@ def learner_reduce_scatter(grad, *, pad=True, divide=True, divide_at_most=None, 
     if not copy:  # divides first, in place: grad.reshape(-1) is a view of grad
         flat.div_(world_size)
     padded = F.pad(flat, (0, world_size * k - grad.numel())) if pad else flat
-    if owner_shift:
+    if owner_shift:  # rank r ends with chunk r + owner_shift
         chunks = list(padded.chunk(world_size))
-        chunks = chunks[owner_shift:] + chunks[:owner_shift]
-        out = torch.empty(k)
-        dist.reduce_scatter(out, chunks)
-    else:
-        out = ring_reduce_scatter(padded)
+        padded = torch.cat(chunks[owner_shift:] + chunks[:owner_shift])
+    out = ring_reduce_scatter(padded)
     if divide and copy:
         out /= min(world_size, divide_at_most or world_size)
     return out

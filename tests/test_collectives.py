@@ -55,6 +55,7 @@ from labs.collectives import (
     all_gather,
     all_reduce,
     backend_for_device,
+    builtin_reduce_scatter,
     exchange,
     naive_all_reduce,
     recursive_doubling_all_reduce,
@@ -420,7 +421,9 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup | None = None) -> d
         reduced[variant] = (view.clone(), returned is view,
                             torch.equal(base[outside], before[outside]))
     reference = case.make_input(rank)[1].contiguous()
-    dist.all_reduce(reference, op=case.op, group=group)
+    # torch's dist.all_reduce; for AVG on gloo, its SUM divided by N (the same bits where gloo
+    # has AVG, test_on_gloo_torchs_avg_is_a_sum_divided_by_n_bit_for_bit; torch 2.4's has none).
+    all_reduce(reference, case.op, group, algorithm=Algorithm.TORCH)
     scattered: dict = {}
     for scatter in ScatterVariant:
         base, view = case.make_input(rank)
@@ -910,6 +913,41 @@ def test_a_kept_schedule_never_skips_the_checks_of_the_op():
     for rank, (max_error, avg_error) in enumerate(ranks):
         assert max_error is not None and "SUM or ReduceOp.AVG" in max_error, (rank, max_error)
         assert avg_error is not None and "floating-point" in avg_error, (rank, avg_error)
+
+
+def torch_avg_against_sum_then_divide(rank, world_size):
+    """torch's built-in AVG all-reduce and reduce-scatter on gloo beside labs' TORCH path (a
+    SUM divided by N on gloo), per dtype; None where this torch's gloo refuses AVG."""
+    found = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        values = torch.randn(3 * world_size + 1, generator=torch.Generator().manual_seed(rank))
+        values = values.to(dtype)
+        try:
+            builtin = values.clone()
+            dist.all_reduce(builtin, op=ReduceOp.AVG)
+            shard = torch.empty(3, dtype=dtype)
+            builtin_reduce_scatter(shard, values[: 3 * world_size].clone(), ReduceOp.AVG, None)
+        except RuntimeError as err:
+            found.append((str(dtype), None, str(err)))
+            continue
+        ours = all_reduce(values.clone(), ReduceOp.AVG, algorithm=Algorithm.TORCH)
+        scattered = reduce_scatter(values[: 3 * world_size], ReduceOp.AVG,
+                                   algorithm=Algorithm.TORCH)
+        found.append((str(dtype), torch.equal(builtin, ours), torch.equal(shard, scattered)))
+    return found
+
+
+def test_on_gloo_torchs_avg_is_a_sum_divided_by_n_bit_for_bit():
+    # labs' Algorithm.TORCH asks gloo for a SUM and divides (gloo in torch 2.4 has no AVG):
+    # where this torch's gloo has AVG, that must be exactly what it computes.
+    ranks = launch(torch_avg_against_sum_then_divide, 3, backend="gloo", echo=False,
+                   timeout=TIMEOUT)
+    refused = [f"{dtype}: {why}" for dtype, same, why in ranks[0] if same is None]
+    if refused:
+        pytest.skip("this torch's gloo has no AVG to compare with: " + "; ".join(refused))
+    for rank, found in enumerate(ranks):
+        for dtype, all_reduced, scattered in found:
+            assert all_reduced and scattered, (rank, dtype, all_reduced, scattered)
 
 
 def kept_pass_outlived_by_its_group(rank, world_size):

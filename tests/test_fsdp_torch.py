@@ -259,7 +259,9 @@ def test_the_table_shows_every_run_or_why_not(reports, reference):
     text = held_table(reference, reports, ranks=(0, 3))
     assert Sharding.NONE.value in text and Sharding.LABS_FSDP.value in text
     assert (Sharding.FULLY_SHARD.value if AVAILABLE else WHY) in text
-    assert len([line for line in text.splitlines() if line.lstrip().startswith("4 ")]) == 4
+    # Ranks 0 and 3: labs' FSDP for each, and fully_shard too where this torch has it.
+    rows = 4 if AVAILABLE else 2
+    assert len([line for line in text.splitlines() if line.lstrip().startswith("4 ")]) == rows
 
 
 @pytest.mark.parametrize("world_size, match", [(3, "cannot be split into 3 equal shares"),
