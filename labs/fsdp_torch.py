@@ -44,10 +44,11 @@ moved 64 MiB. The ring of :mod:`labs.collectives` moves what the formulas say.
 
 Which torch can run it (:func:`fully_shard_available`): ``fully_shard`` is
 ``torch.distributed.fsdp.fully_shard`` from torch 2.6 and
-``torch.distributed._composable.fsdp.fully_shard`` in 2.4 and 2.5. Before 2.6 it creates CUDA
-streams in its first forward (``RuntimeError: FSDP requires CUDA for streams``); 2.6 made its
-streams device-generic (pytorch PR 136843), so on the CPU it needs torch >= 2.6. That version
-boundary is read from the torch sources; only torch 2.13 was run here.
+``torch.distributed._composable.fsdp.fully_shard`` in 2.4 and 2.5. On the CPU it needs
+torch >= 2.7, as run here with 2.4.0, 2.6.0, 2.7.0 and 2.13.0: 2.4 and 2.5 create CUDA streams
+in its first forward (``RuntimeError: FSDP requires CUDA for streams``), and 2.6, whose streams
+are device-generic (pytorch PR 136843), calls ``record_event`` on a CPU stream there, which has
+none (``AttributeError: 'Stream' object has no attribute 'record_event'``).
 
 What is counted as memory (:class:`HeldBytes`): the bytes of the tensor storages a rank holds
 after each optimizer step, as :mod:`labs.memory` counts them (each storage once, at its
@@ -88,7 +89,7 @@ from labs.models import TiedNet
 #: The first torch with ``fully_shard`` at all (as torch.distributed._composable.fsdp).
 FULLY_SHARD_MIN_TORCH = (2, 4)
 #: The first torch whose ``fully_shard`` runs on the CPU (device-generic streams).
-FULLY_SHARD_CPU_MIN_TORCH = (2, 6)
+FULLY_SHARD_CPU_MIN_TORCH = (2, 7)
 #: Where ``fully_shard`` lives, newest first.
 _FULLY_SHARD_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 #: Where ``DTensor`` lives, newest first (torch.distributed._tensor in 2.4).
@@ -148,8 +149,9 @@ def fully_shard_available(device_type: str = "cpu", *, version: str | None = Non
     if device_type == "cpu" and _major_minor(have) < FULLY_SHARD_CPU_MIN_TORCH:
         needed = ".".join(map(str, FULLY_SHARD_CPU_MIN_TORCH))
         return False, (f"skipped: fully_shard on the CPU (gloo) needs torch >= {needed}; torch "
-                       f"{have} creates CUDA streams in its first forward ('FSDP requires "
-                       "CUDA for streams')")
+                       f"{have} fails in its first forward on the CPU (2.4 and 2.5: 'FSDP "
+                       "requires CUDA for streams'; 2.6: 'Stream' object has no attribute "
+                       "'record_event')")
     if version is not None:
         where = _FULLY_SHARD_MODULES[0 if _major_minor(have) >= (2, 6) else 1]
         return True, f"fully_shard from {where} (torch {have})"
