@@ -1,6 +1,8 @@
 """Chapter 1's lab on real ranks: the toy step, gradient parity, and the CLI/torchrun path."""
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -105,3 +107,40 @@ def test_same_lab_runs_under_torchrun():
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "1"]  # printed once, by rank 0, for both ranks
     assert {row[2] for row in rows} == {"4"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_same_lab_runs_on_two_torchrun_nodes():
+    """The README's two-node command, both "nodes" on this machine: two torchrun agents meet
+    at node 0's address (static rendezvous), one rank each; rank 0, on node 0, prints the table
+    for both ranks and node 1 prints none."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port = _free_port()
+    agents = [
+        subprocess.Popen(
+            [torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+             "--master_addr=127.0.0.1", f"--master_port={port}",
+             "-m", "labs", "toy", "--grads", "1", "3"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outs = [agent.communicate(timeout=180) for agent in agents]
+    finally:  # a hung rendezvous must not outlive the test: kill each agent with its ranks
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    for agent, (_, err) in zip(agents, outs, strict=True):
+        assert agent.returncode == 0, err
+    tables = [[line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+              for out, _ in outs]
+    assert [row[0] for row in tables[0]] == ["0", "1"]
+    assert tables[1] == []
+    assert {row[2] for row in tables[0]} == {"4"}
