@@ -100,12 +100,14 @@ def _check(tensor: torch.Tensor, op: ReduceOp) -> None:
         raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
 
 
-def _in_place(tensor: torch.Tensor, body: Callable[[torch.Tensor], None]) -> torch.Tensor:
-    """Run ``body`` on a flat contiguous view of ``tensor`` (through a copy if need be)."""
+def _in_place(tensor: torch.Tensor, body: Callable[[torch.Tensor], None],
+              buffers: RingBuffers | None = None) -> torch.Tensor:
+    """Run ``body`` on a flat contiguous view of ``tensor`` (through a copy if need be: kept in
+    ``buffers``, when given, so that a kept ring pass finds the same memory next call)."""
     if tensor.is_contiguous():
         body(tensor.view(-1))
     else:
-        flat = tensor.contiguous().view(-1)
+        flat = tensor.contiguous().view(-1) if buffers is None else buffers.stage(tensor)
         body(flat)
         tensor.copy_(flat.view_as(tensor))
     return tensor
@@ -292,7 +294,7 @@ def ring_all_reduce(
         run_ring(peers, flat, steps, segment_bytes, window, buffers)
         _finish(flat, op, peers.size)
 
-    return _in_place(tensor, body)
+    return _in_place(tensor, body, buffers)
 
 
 def ring_reduce_scatter(

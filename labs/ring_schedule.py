@@ -63,6 +63,22 @@ class RingBuffers:
     #: The compiled pass of the last call (see :func:`run_ring`), or None; set it to None and
     #: the next call works its schedule out again.
     program: Program | None = field(default=None, repr=False)
+    #: Where a non-contiguous tensor is copied to be reduced (1-D, contiguous), kept so that
+    #: the next call on a tensor of that size and dtype lands in the same memory and the kept
+    #: schedule serves it; None until the first such call.
+    staging: torch.Tensor | None = field(default=None, repr=False)
+
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values, in its element order, in the kept staging memory (1-D,
+        contiguous, ``numel`` = ``tensor.numel()``), allocated again only when the size,
+        dtype or device changes."""
+        kept = self.staging
+        if (kept is None or kept.numel() != tensor.numel() or kept.dtype != tensor.dtype
+                or kept.device != tensor.device):
+            kept = self.staging = torch.empty(tensor.numel(), dtype=tensor.dtype,
+                                              device=tensor.device)
+        kept.view(tensor.shape).copy_(tensor)
+        return kept
 
     def take(self, count: int, numel: int, dtype: torch.dtype,
              device: torch.device) -> list[torch.Tensor]:

@@ -846,6 +846,8 @@ def kept_schedule(rank, world_size, numel):
              ("a as int32, same bytes", a.view(torch.int32), {}),
              ("a as float again", a, {}),
              ("a, strided view", a.view(2, -1).t(), {}),
+             ("a, strided view again", a.view(2, -1).t(), {}),
+             ("b, strided the same way", b.view(2, -1).t(), {}),
              ("a, counted", a, {"recorder": recorder}),
              ("a, counted again", a, {"recorder": recorder}),
              ("a, another group", a, {"group": everyone}),
@@ -870,15 +872,17 @@ def kept_schedule(rank, world_size, numel):
 
 def test_ring_buffers_keep_the_schedule_for_the_same_call_only():
     # A schedule is compiled again for another tensor, dtype, group, segment size or window;
-    # kept otherwise. A strided view is reduced through a contiguous copy: new memory, so a
-    # new schedule (and "a, counted" then compiles for a again). Each call starts from new
-    # values and must end with the exact result.
+    # kept otherwise. A strided view is reduced through a contiguous copy kept in the buffers:
+    # new memory the first time, so a new schedule, then the same memory for any strided
+    # tensor of that size and dtype (and "a, counted" then compiles for a again). Each call
+    # starts from new values and must end with the exact result.
     numel, world_size = 300, 3
     ranks = launch(kept_schedule, world_size, args=(numel,), backend="gloo", echo=False,
                    timeout=TIMEOUT)
     reused = {"a": False, "a again": True, "a, another view": True, "a, averaged": True,
               "b, same size": False, "a after b": False, "a as int32, same bytes": False,
-              "a as float again": False, "a, strided view": False, "a, counted": False,
+              "a as float again": False, "a, strided view": False,
+              "a, strided view again": True, "b, strided the same way": True, "a, counted": False,
               "a, counted again": True, "a, another group": False,
               "a, that group again": True, "a, the default group again": False,
               "a, other segments": False, "a, window 1": False, "a, lock-step": True}
