@@ -192,7 +192,7 @@ def test_checkpoint_from_rank_zero_loads_on_every_rank(tmp_path):
         assert r.differed_before and r.loaded_equal and r.storage_device == "cpu"
         assert r.wrapper_keys[0] == "module.trunk.weight" and r.module_keys[0] == "trunk.weight"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temp file left
-    state = torch.load(tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert list(state) == list(reports[0].module_keys)
 
 
