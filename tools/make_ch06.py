@@ -100,7 +100,7 @@ chapter's MLP from a different seed (the optimizer broadcasts rank 0's values), 
 Adam steps on its share, $1/N$, of one batch, and is compared with a single process:
 """),
     code("""
-SETTINGS = LAB_SETTINGS  # 8 x Linear(64, 64), 8 rows per rank; python -m labs zero's default
+SETTINGS = LAB_SETTINGS  # 8 x Linear(64, 64), as in python -m labs zero; 16/N rows per rank
 BATCH = torch.randn(16, SETTINGS.width, generator=torch.Generator().manual_seed(1))
 
 def train_zero(rank, world_size, stage, steps=3):
@@ -242,7 +242,8 @@ Reading the table:
   while that gradient is reduce-scattered, in place of its shard: about $(1 - 1/N)$ times one
   weight's gradient (in the table, at `0.weight`).
 * **FSDP** divides everything by $N$; its peak adds what is gathered at once: the unit being
-  computed, the next one being prefetched and the gradient whose reduce-scatter is in flight.
+  computed, the next one being prefetched, and two full gradients, this unit's, about to be
+  reduce-scattered, and the previous unit's, whose reduce-scatter is still in flight.
   That is why a model is cut into many small units, and why that costs more messages. Its
   closed form, $16/N$, is again what it holds after the step.
 
