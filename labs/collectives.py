@@ -129,9 +129,10 @@ def naive_all_reduce(
     """All-reduce in place by sending every tensor to ``root``, which sums them in rank order
     and sends the result back to each rank.
 
-    Cost: the root receives (N-1)·S and sends (N-1)·S, one message at a time through its one
-    link, so its time grows linearly with N while the other links sit idle; every other rank
-    sends S and receives S. 2(N-1) messages in all.
+    Cost: the root receives (N-1)·S, one message after another, and sends (N-1)·S, its N-1
+    sends posted at once but all through its one link, so its time grows linearly with N
+    while the other links sit idle; every other rank sends S and receives S. 2(N-1) messages
+    in all.
     """
     _check(tensor, op)
     peers = Peers.of(group, recorder, tensor)

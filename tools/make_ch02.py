@@ -228,7 +228,7 @@ print()
 print(ring_trace_table(trace.steps))
 """, CHECK),
     md(r"""
-Follow chunk 1 (elements 3 and 4) down the "chunk after" column: rank 2 sends its own part
+Follow chunk 1 (elements 2 and 3, counting from 0) down the "chunk after" column: rank 2 sends its own part
 at reduce-scatter step 0, rank 3 adds its digit, rank 0 adds its digit at step 1, and at
 step 2 rank 1 completes the chunk, just as rank $r$ completes chunk $r$ in general. The
 all-gather then carries each finished chunk round the ring. The same trace
@@ -511,8 +511,8 @@ print("N = 4, 1K to 4M: the naive algorithm was the fastest of the three at:",
 Where the naive algorithm is the fastest of the three at 4 ranks, the machine is the
 reason, not the algorithm. Here four ranks share the cores of one machine, and the ring and
 recursive doubling keep all four of them busy at every step, so at every step some rank
-waits for a core. The naive algorithm never has more than two ranks working at once (the
-root and the rank it is receiving from or sending to), and its messages go one way, not
+waits for a core. The naive algorithm keeps fewer ranks busy: while the root receives the
+tensors one after another, the other ranks only wait, and its messages go one way, not
 both ways at once like the exchanges $\alpha$ and $\beta$ were fitted on. Give every rank
 its own cores and its own link, as on a cluster, and the root's link is the bottleneck the model
 describes; `python -m labs collectives` under `torchrun` measures that across nodes.
@@ -524,7 +524,8 @@ Read the figures with the model's blind spots in mind:
   a core delays its neighbours, and nothing in $\alpha + \beta m$ says so. The next section
   measures how much.
 * **Links are shared.** All ranks of a ring send at once, and here every "link" is the same
-  memory bus; the naive root takes its $N-1$ messages one after another. The model prices
+  memory bus; the naive root receives its $N-1$ messages one after another, and its $N-1$
+  sends, posted at once, leave through the same link. The model prices
   each message as if it had the link to itself.
 * **Small messages.** At a few KiB the time is almost all $\alpha$, and $\alpha$ measured on
   one idle pair of ranks is not what a busy collective sees; timings there are also the
@@ -668,9 +669,9 @@ else:
                   f"{fixed / t.seconds:.0%} of the ring's median call ({t.seconds * 1e3:.2f} ms)")
 """, IGNORE),
     md(r"""
-The fixed cost weighs most where calls are shortest: few ranks and small sizes. Where it is
-a small share and the ring still trails, the rest is in how the two cut the tensor and
-overlap sending with adding; `python -m labs.bench collectives --segment-bytes 256K 2M`
+Where the cell finds a fixed cost, it weighs most where calls are shortest: few ranks and
+small sizes. Where it is a small share, or lost in the noise, and the ring still trails, the
+rest is in how the two cut the tensor and overlap sending with adding; `python -m labs.bench collectives --segment-bytes 256K 2M`
 compares segment sizes for the ring.
 
 The ring timed above did not work out its schedule on every call. Before its first message
@@ -722,7 +723,9 @@ which algorithm runs depends on the size of each bucket of gradients and on the 
 Choose the number of ranks, the size of the tensor and the algorithms, then press the button:
 the panel times them on real ranks and shows the same table as above and a bar chart. Below
 it is the default run (4 ranks, 1 MiB, every algorithm). Try 4 KiB against 16 MiB, and 2
-ranks against 8. The panel runs one launch of a few calls, so on a small machine its
+ranks against 8. The panel runs one launch of at least 5 calls, more at small sizes (as
+many as it takes to move 64 MiB, at most 100; its table's header says how many), so on a
+small machine its
 ring-to-torch ratio can land outside the range the three launches above gave: that spread is
 the noise the brackets measure, not a change in either algorithm.
 """),
@@ -749,7 +752,8 @@ element-wise sum over all ranks, computed in place by the ring of this chapter.
 
 The check runs your function on 1 to 5 ranks with tensors of several shapes (including fewer
 elements than ranks and sizes $N$ does not divide), compares every rank's result with the
-exact sum, and counts the bytes each rank sends: no more than the ring's $2\frac{N-1}{N}S$.
+exact sum, and counts the bytes each rank sends: no more than the ring's $2(N-1)$ chunks of
+$\lceil \mathrm{numel}/N \rceil$ elements, which is $2\frac{N-1}{N}S$ rounded up to whole chunks.
 """),
     solution("""
 def my_ring_all_reduce(tensor):

@@ -425,9 +425,10 @@ The panel times the ring reduce-scatter against torch.distributed's on real rank
 world size and message size you choose. Below it is the default run (4 ranks, 1 MiB). The
 bus bandwidth column uses the factor $\frac{N-1}{N}$ of a reduce-scatter, so it can be
 compared with the link speed whatever $N$ is. For torch on gloo that factor understates the
-traffic: as "While it runs" showed, its reduce-scatter is an all-reduce of the whole tensor,
-which sends twice the bytes of the ring reduce-scatter, and that is why the ring can beat it
-here.
+traffic: as "While it runs" explained, and as the bit-for-bit match with gloo's all-reduce
+in the float32 check above bears out, its reduce-scatter is an all-reduce of the whole tensor,
+which on a ring sends twice the bytes of the ring reduce-scatter: a likely reason why the
+ring can beat it here.
 The shell command's `--iters` is the number of timed calls for large sizes; smaller sizes get
 more, enough to carry a fixed number of bytes (`--min-bytes`), so the table's median can be
 over more calls than `--iters` says.

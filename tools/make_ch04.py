@@ -17,8 +17,8 @@ $$
 y \;=\; \big[\,x_0,\; x_1,\; \dots,\; x_{N-1}\,\big] \qquad \text{on every rank.}
 $$
 
-Nothing is added: the result is as large as all the shards together. Chapter 3 ended with one:
-after each rank had updated the shard of parameters it owns, the ranks swapped the updated
+Nothing is added: the result is as large as all the shards together. Chapter 3's ZeRO
+section used one: after each rank had updated the shard of parameters it owns, the ranks swapped the updated
 shards so that every rank held all the parameters again. FSDP uses it differently: its
 parameters stay in shards, and a layer's full weights are all-gathered just before the layer
 runs, in forward and again in backward, then let go.
