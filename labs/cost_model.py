@@ -426,10 +426,9 @@ def plot_cost_model(
             left.plot(grid, predicted, "-", color=colour, alpha=0.7,
                       label=f"{algorithm.value} (model)")
     if cross is not None:
-        left.axvline(cross, color="gray", ls="--", lw=1)
-        left.annotate(f" model: ring = rec. doubling\n at {_approx_size(cross)}", (cross, 0.98),
-                      xycoords=("data", "axes fraction"), va="top", ha="left",
-                      fontsize="small", color="gray")
+        # Named in the legend, not written beside the line: there it would cross the markers.
+        left.axvline(cross, color="gray", ls="--", lw=1,
+                     label=f"model: ring = rec. doubling at {_approx_size(cross)}")
     ticks = [s for s in sizes if low <= s <= high]
     for ax in (left, right):
         ax.set_xscale("log", base=2)

@@ -259,6 +259,8 @@ def test_plot_cost_model_overlays_model_and_measurements():
     labels = [line.get_label() for line in left.get_lines()]
     assert "ring (model)" in labels and "torch (measured)" in labels
     assert "torch (model)" not in labels
+    crossover = [label for label in labels if label.startswith("model: ring = rec. doubling at")]
+    assert len(crossover) == 1  # the dashed line is named in the legend
     ratios = [y for line in right.get_lines() if not line.get_label().startswith("_")
               for y in line.get_ydata()]
     assert len(ratios) == 3 * 4  # three sizes of the four algorithms with a closed form
