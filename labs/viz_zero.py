@@ -154,10 +154,15 @@ def plot_calculator(parameters: float, recipe: Recipe, world_size: int) -> Figur
 
 def traffic_plot(rows: Sequence[TrafficRow]) -> Figure:
     fig, ax = plt.subplots(figsize=(6, 3), layout="constrained")
-    for strategy in dict.fromkeys(r.strategy for r in rows):
+    # DDP, ZeRO-1 and ZeRO-2 send the same bytes: each line is drawn thinner than the one
+    # before it, so lines that coincide stay visible one inside the other.
+    styles = [dict(lw=7, ms=12, marker="o", alpha=0.35), dict(lw=4, ms=8, marker="s", alpha=0.6),
+              dict(lw=1.5, ms=5, marker="^", ls="--"), dict(lw=1.5, ms=5, marker="D")]
+    for i, strategy in enumerate(dict.fromkeys(r.strategy for r in rows)):
         mine = sorted((r for r in rows if r.strategy is strategy), key=lambda r: r.world_size)
-        ax.plot([r.world_size for r in mine], [r.measured for r in mine], "o-",
-                label=strategy.value, alpha=0.8)
+        ax.plot([r.world_size for r in mine], [r.measured for r in mine],
+                label=strategy.value, **styles[min(i, len(styles) - 1)])
+    ax.set_xticks(sorted({r.world_size for r in rows}))
     ax.set(xlabel="world size N", ylabel="bytes sent per step / S",
            title="Bytes each rank sends per step (measured)")
     ax.grid(True, alpha=0.3)

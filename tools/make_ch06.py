@@ -123,13 +123,22 @@ for _ in range(3):
     opt.step()
 expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
 
-rows = []
+worst = {}  # (stage, N) -> largest |rank - one process| over every rank and element
 for stage in ZeroStage:
     for n in (2, 4):
         got = launch(train_zero, n, args=(stage,), echo=False)
-        worst = max((g - expected).abs().max().item() for g in got)
-        rows.append([f"ZeRO-{stage.value}", n, f"{worst:.1e}", "yes" if worst < 1e-5 else "NO"])
-print(format_table(["stage", "N", "max |rank - one process|", "same?"], rows))
+        worst[(stage, n)] = max((g - expected).abs().max().item() for g in got)
+print(format_table(["stage", "N", "max |rank - one process|"],
+                   [[f"ZeRO-{stage.value}", n, f"{w:.1e}"] for (stage, n), w in worst.items()]))
+""", IGNORE),
+    md(r"""
+The differences are float32 rounding: the ranks add the same numbers in another order (a
+shard's gradient is a sum over ranks, the single process's a sum over the whole batch). Their
+last digits depend on the CPU's kernels, so the verdict is checked against a bound:
+"""),
+    code("""
+print("ZeRO-1 and ZeRO-2 on 2 and 4 ranks equal one process to 1e-5:",
+      all(w < 1e-5 for w in worst.values()))
 """, CHECK),
     md(r"""
 ## ZeRO-3: FSDP from scratch
@@ -188,13 +197,17 @@ def train_fsdp(rank, world_size, collectives, steps=3):
     full = model.gather_full_params()             # every rank gets the whole state dict
     return torch.cat([full[name].reshape(-1) for name, _ in reference.named_parameters()])
 
-rows = []
+worst = {}  # (collectives, N) -> largest |rank - one process|
 for collectives in (Algorithm.TORCH, Algorithm.RING):
     for n in (2, 4):
         got = launch(train_fsdp, n, args=(collectives,), echo=False)
-        worst = max((g - expected).abs().max().item() for g in got)
-        rows.append([collectives.value, n, f"{worst:.1e}", "yes" if worst < 1e-5 else "NO"])
-print(format_table(["collectives", "N", "max |rank - one process|", "same?"], rows))
+        worst[(collectives, n)] = max((g - expected).abs().max().item() for g in got)
+print(format_table(["collectives", "N", "max |rank - one process|"],
+                   [[c.value, n, f"{w:.1e}"] for (c, n), w in worst.items()]))
+""", IGNORE),
+    code("""
+print("FSDP with torch's and with the ring's collectives, on 2 and 4 ranks, equals one process "
+      "to 1e-5:", all(w < 1e-5 for w in worst.values()))
 """, CHECK),
     md(r"""
 `compute_dtype=torch.bfloat16` gathers, computes and reduce-scatters in bfloat16 while the
@@ -309,14 +322,20 @@ stitched from their different initial values.
 compare = CompareSettings()
 one_process = reference_run(compare)
 runs = {n: compare_on_ranks(n, compare) for n in (2, 4)}
-rows = []
+rows, worst = [], {}
 for n, per_rank in runs.items():
-    for sharding, run in per_rank[0].runs.items():
-        worst = max(max(max_abs_difference(r.runs[sharding], one_process)) for r in per_rank)
-        rows.append([n, sharding.value, f"{worst:.1e}"])
+    for sharding in per_rank[0].runs:
+        worst[(n, sharding)] = max(max(max_abs_difference(r.runs[sharding], one_process))
+                                   for r in per_rank)
+        rows.append([n, sharding.value, f"{worst[(n, sharding)]:.1e}"])
     for sharding, message in per_rank[0].skipped.items():
         rows.append([n, sharding.value, message])
 print(format_table(["N", "wrapper", "max |rank - one process| over the steps"], rows))
+""", IGNORE),
+    code("""
+ran = " and ".join(dict.fromkeys(sharding.value for _, sharding in worst))
+print(f"{ran}, on 2 and 4 ranks, equal one process to 1e-5 at every step:",
+      all(w < 1e-5 for w in worst.values()))
 """, CHECK),
     md(r"""
 Bytes held after the last step (rank 0, and rank 3, whose `fully_shard` shards have fewer
