@@ -66,6 +66,11 @@ MAX_WORLD_SIZE = 32
 _FAILURE_GRACE_S = 0.3
 #: How long a rank gets to exit after SIGTERM before SIGKILL.
 _KILL_GRACE_S = 1.0
+#: The line gloo writes to stdout each time a process group connects, in some torch releases
+#: (2.9 among them, not 2.13). It is dropped from what a rank printed when every peer connected;
+#: a line whose two counts differ is kept, since it reports a connection that failed.
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             r"Expected number of connected peer ranks is : \1\n?", re.MULTILINE)
 #: Modules the forkserver imports once, so that forked ranks start with torch loaded.
 #: torch._dynamo: building the first torch.optim optimizer imports it (torch.optim wraps its
 #: methods with dynamo's "disable"), about 1.3 s per rank per launch on 2 cores; preloaded, a
@@ -285,7 +290,7 @@ def launch(
                                  grace=failure_grace)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
             _stop(ranks, outcome)
-        stdout = [_read(spec.stdout_path) for spec in specs]
+        stdout = [_GLOO_CONNECTED.sub("", _read(spec.stdout_path)) for spec in specs]
         stderr = [_read(spec.stderr_path) for spec in specs]
         stacks = {r: _stuck_stack(_read(specs[r].stack_path)) for r in range(world_size)}
     if echo:

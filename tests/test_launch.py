@@ -598,6 +598,29 @@ def test_echo_false_prints_nothing(capsys):
     assert capsys.readouterr() == ("", "")
 
 
+def gloo_chatter(rank: int, world_size: int) -> None:
+    # What gloo in torch 2.9 writes to fd 1 whenever a group connects, then the same line
+    # reporting a peer missing, then the learner's own line.
+    os.write(1, f"[Gloo] Rank {rank} is connected to 1 peer ranks. Expected number of connected "
+                "peer ranks is : 1\n".encode())
+    os.write(1, f"[Gloo] Rank {rank} is connected to 0 peer ranks. Expected number of connected "
+                "peer ranks is : 1\n".encode())
+    print(f"mine {rank}")
+
+
+def test_gloo_connection_chatter_is_dropped_but_a_shortfall_is_kept(capsys):
+    """Promise 10: gloo's "connected to all peers" line (torch 2.9 prints it at every group's
+    start) does not reach the results or the echo; the same line with a peer missing does."""
+    results = launch(gloo_chatter, 2)
+    for rank in range(2):
+        assert results.stdout[rank] == (
+            f"[Gloo] Rank {rank} is connected to 0 peer ranks. Expected number of connected peer "
+            f"ranks is : 1\nmine {rank}\n")
+    out = capsys.readouterr().out
+    assert "connected to 1 peer ranks" not in out
+    assert out.count("connected to 0 peer ranks") == 2 and "[rank 1] mine 1" in out
+
+
 def print_then_fail(rank: int, world_size: int) -> int:
     print(f"rank {rank} got this far")
     if rank == 1:
