@@ -1,11 +1,14 @@
 """Chapter 1's lab on real ranks: the toy step, gradient parity, and the CLI/torchrun path."""
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -115,30 +118,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun_agent(node: int, port: int) -> subprocess.Popen:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return subprocess.Popen(
+        [torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}",
+         "-m", "labs", "toy", "--grads", "1", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def _listens(agent: subprocess.Popen, port: int, timeout: float) -> bool:
+    """Whether node 0's agent holds ``port`` (its rendezvous store) within ``timeout`` s; False
+    once it has exited, which it does when another process took the port first."""
+    process = psutil.Process(agent.pid)
+    connections = getattr(process, "net_connections", None) or process.connections  # psutil < 6
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and agent.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in connections(kind="tcp")):
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def _stop_agent(agent: subprocess.Popen) -> None:
+    if agent.poll() is None:
+        os.killpg(agent.pid, signal.SIGKILL)  # the agent and its ranks: its own session
+    agent.wait()
+
+
 def test_same_lab_runs_on_two_torchrun_nodes():
     """The README's two-node command, both "nodes" on this machine: two torchrun agents meet
     at node 0's address (static rendezvous), one rank each; rank 0, on node 0, prints the table
-    for both ranks and node 1 prints none."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    port = _free_port()
-    agents = [
-        subprocess.Popen(
-            [torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
-             "--master_addr=127.0.0.1", f"--master_port={port}",
-             "-m", "labs", "toy", "--grads", "1", "3"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
+    for both ranks and node 1 prints none. Node 1 starts once node 0 holds the port: a free
+    port can be taken by another process (the gloo sockets of tests running beside this one)
+    before node 0 binds it, and node 1 would then wait on a stranger."""
+    agents: list[subprocess.Popen] = []
     try:
-        outs = [agent.communicate(timeout=180) for agent in agents]
+        for _ in range(3):
+            port = _free_port()
+            agents = [_torchrun_agent(0, port)]
+            if _listens(agents[0], port, timeout=60):
+                break
+            _stop_agent(agents[0])
+        else:
+            pytest.fail("node 0's torchrun did not get a free port in 3 tries: "
+                        f"{agents[0].communicate()[1][-2000:]}")
+        agents.append(_torchrun_agent(1, port))
+        deadline = time.monotonic() + 180
+        outs = []
+        for agent in agents:
+            try:
+                outs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                _stop_agent(agent)
+                outs.append(agent.communicate())
     finally:  # a hung rendezvous must not outlive the test: kill each agent with its ranks
         for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-    for agent, (_, err) in zip(agents, outs, strict=True):
-        assert agent.returncode == 0, err
+            _stop_agent(agent)
+    said = "\n".join(f"node {node} (exit {agent.returncode}) stderr:\n{err[-2000:]}"
+                     for node, (agent, (_, err)) in enumerate(zip(agents, outs, strict=True)))
+    assert all(agent.returncode == 0 for agent in agents), said
     tables = [[line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
               for out, _ in outs]
     assert [row[0] for row in tables[0]] == ["0", "1"]
