@@ -494,8 +494,9 @@ def _sum_then_divide(op: ReduceOp, peers: Peers, tensor: torch.Tensor) -> bool:
     """Whether torch's built-in is asked for a SUM that is then divided by N, instead of AVG:
     on gloo. gloo in torch 2.4 refuses AVG ("Cannot use ReduceOp.AVG with Gloo"); later
     releases accept it and compute that SUM and division (bit for bit the same on torch 2.13,
-    ``tests/test_collectives.py``), so the two steps here change nothing where gloo has AVG
-    and work where it has not. NCCL averages natively."""
+    ``tests/test_collectives.py``), except torch 2.8's reduce-scatter, which ignores AVG and
+    returns the SUM. So the two steps here change nothing where gloo averages right and give
+    the mean where it does not. NCCL averages natively."""
     return _is_avg(op) and backend_for_device(peers.backend, tensor.device.type) == "gloo"
 
 

@@ -67,8 +67,8 @@ _FAILURE_GRACE_S = 0.3
 #: How long a rank gets to exit after SIGTERM before SIGKILL.
 _KILL_GRACE_S = 1.0
 #: The line gloo writes to stdout each time a process group connects, in some torch releases
-#: (2.9 among them, not 2.13). It is dropped from what a rank printed when every peer connected;
-#: a line whose two counts differ is kept, since it reports a connection that failed.
+#: (2.8 and 2.9; not 2.11 or 2.13). It is dropped from what a rank printed when every peer
+#: connected; a line whose two counts differ is kept, since it reports a connection that failed.
 _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
                              r"Expected number of connected peer ranks is : \1\n?", re.MULTILINE)
 #: Modules the forkserver imports once, so that forked ranks start with torch loaded.

@@ -32,6 +32,7 @@ import gc
 import itertools
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -921,7 +922,8 @@ def test_a_kept_schedule_never_skips_the_checks_of_the_op():
 
 def torch_avg_against_sum_then_divide(rank, world_size):
     """torch's built-in AVG all-reduce and reduce-scatter on gloo beside labs' TORCH path (a
-    SUM divided by N on gloo), per dtype; None where this torch's gloo refuses AVG."""
+    SUM divided by N on gloo), per dtype: which results are equal, or why this torch's gloo
+    refused AVG."""
     found = []
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         values = torch.randn(3 * world_size + 1, generator=torch.Generator().manual_seed(rank))
@@ -932,26 +934,44 @@ def torch_avg_against_sum_then_divide(rank, world_size):
             shard = torch.empty(3, dtype=dtype)
             builtin_reduce_scatter(shard, values[: 3 * world_size].clone(), ReduceOp.AVG, None)
         except RuntimeError as err:
-            found.append((str(dtype), None, str(err)))
+            found.append((str(dtype), str(err)))
             continue
+        summed = torch.empty(3, dtype=dtype)
+        builtin_reduce_scatter(summed, values[: 3 * world_size].clone(), ReduceOp.SUM, None)
         ours = all_reduce(values.clone(), ReduceOp.AVG, algorithm=Algorithm.TORCH)
         scattered = reduce_scatter(values[: 3 * world_size], ReduceOp.AVG,
                                    algorithm=Algorithm.TORCH)
-        found.append((str(dtype), torch.equal(builtin, ours), torch.equal(shard, scattered)))
+        found.append((str(dtype), {
+            "all-reduce: gloo's AVG is labs'": torch.equal(builtin, ours),
+            "reduce-scatter: labs' is the SUM / N": torch.equal(scattered, summed / world_size),
+            "reduce-scatter: gloo's AVG is labs'": torch.equal(shard, scattered),
+            "reduce-scatter: gloo's AVG is the SUM": torch.equal(shard, summed),
+        }))
     return found
 
 
 def test_on_gloo_torchs_avg_is_a_sum_divided_by_n_bit_for_bit():
     # labs' Algorithm.TORCH asks gloo for a SUM and divides (gloo in torch 2.4 has no AVG):
-    # where this torch's gloo has AVG, that must be exactly what it computes.
+    # where this torch's gloo has AVG, that must be exactly what it computes. One exception is
+    # allowed and reported: torch 2.8's gloo reduce-scatter ignores AVG and returns the SUM
+    # (found by this test), which labs' SUM-then-divide does not depend on.
     ranks = launch(torch_avg_against_sum_then_divide, 3, backend="gloo", echo=False,
                    timeout=TIMEOUT)
-    refused = [f"{dtype}: {why}" for dtype, same, why in ranks[0] if same is None]
+    refused = [f"{dtype}: {same}" for dtype, same in ranks[0] if isinstance(same, str)]
     if refused:
         pytest.skip("this torch's gloo has no AVG to compare with: " + "; ".join(refused))
+    undivided = set()
     for rank, found in enumerate(ranks):
-        for dtype, all_reduced, scattered in found:
-            assert all_reduced and scattered, (rank, dtype, all_reduced, scattered)
+        for dtype, same in found:
+            assert same["all-reduce: gloo's AVG is labs'"], (rank, dtype, same)
+            assert same["reduce-scatter: labs' is the SUM / N"], (rank, dtype, same)
+            if not same["reduce-scatter: gloo's AVG is labs'"]:
+                assert same["reduce-scatter: gloo's AVG is the SUM"], (rank, dtype, same)
+                undivided.add(dtype)
+    if undivided:
+        warnings.warn(f"torch {torch.__version__}: gloo's reduce-scatter with ReduceOp.AVG "
+                      f"returned the undivided SUM ({', '.join(sorted(undivided))}); labs sums "
+                      "and divides itself, so its results are right", stacklevel=1)
 
 
 def kept_pass_outlived_by_its_group(rank, world_size):
