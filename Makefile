@@ -6,16 +6,35 @@ STAMP  := $(VENV)/.installed
 # The book build executes every notebook; fail on warnings, on a broken reference or a cell error.
 JB_FLAGS ?= -W -n --keep-going
 
-.PHONY: env book test test-slow lint bench notebooks clean
+.PHONY: env book test test-slow test-latest lock lint bench notebooks clean
 
 env: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+# The environment installs requirements.lock: the exact version of every package, the
+# transitive ones included, that the whole suite passed with. requirements.txt keeps the
+# direct dependencies with ranges (for a GPU box that keeps its own torch); `make lock`
+# compiles the lock from it. pip comes from the venv as Python made it, not the newest release.
+$(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements.lock
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Refresh the lock on purpose: the newest releases requirements.txt admits, resolved by
+# pip-tools (itself pinned) in a throwaway environment. Then run `make test test-slow` and
+# commit the lock with the numbers. pip-compile writes the CPU wheel's local version
+# (torch==2.13.0+cpu); the lock says torch==2.13.0, which pip finds here (the wheel on disk)
+# and on PyPI alike.
+PIP_TOOLS := pip-tools==7.6.2
+LOCK_VENV := _build/venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet "$(PIP_TOOLS)"
+	$(LOCK_VENV)/bin/pip-compile --quiet --upgrade --allow-unsafe --strip-extras \
+	  --no-emit-index-url --no-emit-find-links --output-file requirements.lock requirements.txt
+	sed -i -E 's/^(torch==[0-9.]+)\+cpu$$/\1/' requirements.lock
+	rm -rf $(LOCK_VENV)
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build . $(JB_FLAGS)
@@ -28,14 +47,35 @@ book: $(STAMP)
 WORKERS ?= 2
 STORED_CONFIG := _build/_config_stored.yml
 
-test: $(STAMP)
+# The suite, run by the Python environment in $(1): `make test` gives it .venv, `make
+# test-latest` a throwaway one.
+define run_suite
 	mkdir -p _build
 	sed 's/^  execute_notebooks: cache$$/  execute_notebooks: "off"/' _config.yml > $(STORED_CONFIG)
 	@grep -q 'execute_notebooks: "off"' $(STORED_CONFIG) || \
 	  { echo "Makefile: _config.yml no longer says 'execute_notebooks: cache'; update the test target"; exit 1; }
-	$(BIN)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
-	$(BIN)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow"
-	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider notebooks -q -n $(WORKERS) --dist loadscope
+	$(1)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
+	$(1)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow"
+	$(1)/python -m pytest --nbval-lax -p no:cacheprovider notebooks -q -n $(WORKERS) --dist loadscope
+endef
+
+test: $(STAMP)
+	$(call run_suite,$(BIN))
+
+# The suite (and the slow tests) against the newest releases that requirements.txt admits,
+# in a throwaway environment, so that a release which breaks the course is found here before
+# a learner finds it. It first lists what differs from requirements.lock.
+LATEST_VENV := _build/venv-latest
+test-latest: export LABS_UNLOCKED := 1
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade -r requirements.txt
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(LATEST_VENV)/bin/python tools/lock_diff.py requirements.lock
+	$(call run_suite,$(LATEST_VENV)/bin)
+	$(LATEST_VENV)/bin/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m slow
 
 # The tests marked slow: more cases of kinds `make test` already runs (every chapter's
 # grading, collectives on 5-8 ranks). CI runs them after `make test`.

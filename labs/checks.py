@@ -66,8 +66,9 @@ CASE_NOTE = "[labs check] case"
 
 def clean_traceback(text: str, check_module: str) -> str:
     """The learner's part of a rank's traceback: the frames of ``check_module`` (a check
-    module's ``__file__``) and the case note dropped, notebook cell paths (which hold the
-    kernel's pid) made stable, so that a verdict is the same on every run."""
+    module's ``__file__``) and the case note dropped. The launcher names a notebook cell as
+    IPython does (``Cell In[5], line 3``); a cell path it could not name (it holds the
+    kernel's pid) is made stable, so that a verdict is the same on every run."""
     lines, keep = [], True
     for line in text.splitlines():
         if line.startswith("  File "):

@@ -34,6 +34,8 @@ import enum
 import faulthandler
 import importlib
 import io
+import linecache
+import marshal
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -296,10 +298,11 @@ def launch(
     if echo:
         _echo(stdout, stderr)
     if isinstance(outcome, _Timeout):
-        found = {r: stacks[r] for r in outcome.ranks if stacks[r]}
+        found = {r: _name_cells(stacks[r]) for r in outcome.ranks if stacks[r]}
         raise LaunchTimeout(outcome.ranks, timeout, found)
     if isinstance(outcome, _Failed):
-        raise _first_failure(outcome.failures)
+        raise _first_failure([dataclasses.replace(f, traceback=_name_cells(f.traceback))
+                              for f in outcome.failures])
     results = RankResults(_unpack_result(outcome.values[r]) for r in range(world_size))
     results.stdout, results.stderr = stdout, stderr
     results.backend, results.seconds = chosen, time.monotonic() - started
@@ -398,19 +401,52 @@ def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bo
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, plus modules of a ``types.ModuleType`` subclass sent as imports.
+    """cloudpickle, with two changes to how things travel to the ranks.
 
-    A function that travels by value takes along, as imports, the submodules of its global
-    modules that share a name with an attribute it reads: a worker that uses ``torch`` and
-    reads ``spec.ops`` ships ``torch.ops``. cloudpickle sends a plain module as an import but
-    tries to pickle a subclass instance (``torch.ops`` is a ``torch._ops._Ops``) field by
-    field, and fails. Such a module is imported again by the rank, as any other module is."""
+    * **Code objects keep where they were written.** A function defined in a notebook cell
+      travels by value; the rank's traceback should still show the learner's lines and where
+      they are. cloudpickle 3.1.3 and later rename the file of every code object it sends to
+      ``<dynamic-code>`` (so that its pickles do not depend on where a function was defined),
+      which drops both. Here a code object travels as :mod:`marshal` writes it for ``.pyc``
+      files: exact, file name and line table included, and the ranks run the same interpreter.
+      A cell's lines are not in any file, only in the kernel's :mod:`linecache`; they travel
+      with the code (:func:`_load_code` puts them in the rank's linecache).
+    * **Modules of a ``types.ModuleType`` subclass are sent as imports.** A function that
+      travels by value takes along, as imports, the submodules of its global modules that
+      share a name with an attribute it reads: a worker that uses ``torch`` and reads
+      ``spec.ops`` ships ``torch.ops``. cloudpickle sends a plain module as an import but
+      tries to pickle a subclass instance (``torch.ops`` is a ``torch._ops._Ops``) field by
+      field, and fails. Such a module is imported again by the rank, as any other module is.
+    """
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType):
+            try:
+                code = marshal.dumps(obj)
+            except ValueError:  # a constant marshal cannot write: cloudpickle's own way
+                return super().reducer_override(obj)
+            return _load_code, (code, obj.co_filename, _unfiled_lines(obj.co_filename))
         if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
                 and sys.modules.get(obj.__name__) is obj):
             return importlib.import_module, (obj.__name__,)
         return super().reducer_override(obj)
+
+
+def _unfiled_lines(filename: str) -> list[str] | None:
+    """The source lines of code that is in no file a rank could read (a notebook cell, which
+    IPython keeps in :mod:`linecache` only); None for code written in a file."""
+    if not filename or os.path.exists(filename):
+        return None
+    entry = linecache.cache.get(filename)
+    return entry[2] if entry is not None else None  # one list: pickled once per launch
+
+
+def _load_code(code: bytes, filename: str, lines: list[str] | None) -> types.CodeType:
+    """A code object sent by :class:`_Pickler`, its lines registered where tracebacks look."""
+    if lines is not None and filename not in linecache.cache:
+        # mtime None: linecache.checkcache never drops an entry that has no file.
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return marshal.loads(code)
 
 
 def _dumps(value: Any) -> bytes:
@@ -702,6 +738,23 @@ def _last_words(stderr: str) -> str:
     cut = next((i for i in range(dump, len(lines)) if "in _rank_main" in lines[i]), len(lines))
     lines = lines[:cut]
     return "\n".join(f"    {line}" for line in lines[-_LAST_LINES:])
+
+
+def _name_cells(text: str) -> str:
+    """Name the notebook cells in a rank's traceback or stack as IPython names them in its
+    own tracebacks (``Cell In[5], line 3``) instead of by the file the kernel made up for the
+    cell (``File "/tmp/ipykernel_4242/3141.py", line 3``). Outside a kernel, unchanged."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if name_of is None:
+        return text
+
+    def cell(match: re.Match[str]) -> str:
+        named = name_of(match.group(1))
+        return f"{named[0]} {named[1]}, line" if named else match.group(0)
+
+    return re.sub(r'File "([^"]+)", line', cell, text)
 
 
 def _first_failure(failures: list[RankFailure]) -> RankError:
