@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The book build executes every notebook; fail on warnings, on a broken reference or a cell error.
 JB_FLAGS ?= -W -n --keep-going
 
-.PHONY: env book test test-slow test-latest lock lint bench notebooks clean
+.PHONY: env book test test-slow test-latest lock lint bench notebooks chapter clean
 
 env: $(STAMP)
 
@@ -82,13 +82,18 @@ test-latest:
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m slow
 
-# Re-execute the notebooks in place: their committed outputs are what nbval compares against.
+# Re-execute the chapters in place: their committed outputs are what nbval compares against.
+# Each chapter's source is notebooks/NN_name.md, paired with the executed .ipynb (jupytext).
 notebooks: $(STAMP)
-	for script in tools/make_*.py; do $(BIN)/python $$script || exit 1; done
-	$(BIN)/python tools/execute_notebooks.py notebooks/*.ipynb
+	$(BIN)/python tools/execute_notebooks.py notebooks/*.md
+
+# One chapter after an edit of its .md (or of its .ipynb in Jupyter): `make chapter NB=02`.
+chapter: $(STAMP)
+	@test -n "$(NB)" || { echo "usage: make chapter NB=02 (a chapter's number, or A1)"; exit 2; }
+	$(BIN)/python tools/execute_notebooks.py notebooks/$(NB)_*.md
 
 lint: $(STAMP)
-	$(BIN)/ruff check labs tests tools
+	$(BIN)/ruff check labs tests tools notebooks
 
 bench: $(STAMP)
 	$(BIN)/python -m labs.bench launch

@@ -54,8 +54,8 @@ BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED, *WIDGET_PAGES]
 # matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
 ANIMATION_FRAME_ID = "_anim_img"
 
-# An exercise's heading, and the label of its solution's dropdown (tools/nbgen.py sets it in
-# the cell's "mystnb" metadata; myst-nb's default is "Show code cell source").
+# An exercise's heading, and the label of its solution's dropdown (the chapter's .md sets it
+# in the cell's "mystnb" options; myst-nb's default is "Show code cell source").
 EXERCISE_HEADING = re.compile(r"\bExercise\s+(\d+\.\d+)\b")
 HEADING_TAGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
 SOLUTION_PROMPT = "Show solution"

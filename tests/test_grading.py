@@ -184,7 +184,7 @@ def test_release_stubs_solutions_clears_outputs_and_keeps_the_rest(name):
     chapter = CHAPTERS[name]
     released = release_notebook(chapter)
     assert released.metadata[METADATA_KEY] == {"chapter": name}
-    assert "widgets" not in released.metadata
+    assert "widgets" not in released.metadata and "jupytext" not in released.metadata
     solutions = {i for ex in chapter.exercises for i in ex.solutions}
     assert len(released.cells) == len(chapter.nb.cells)
     for i, (ref, rel) in enumerate(zip(chapter.nb.cells, released.cells, strict=True)):
@@ -350,6 +350,14 @@ def test_the_reference_solutions_score_full_marks(tmp_path, no_leftovers, capsys
         messages = [c["message"] for c in ex["checks"]]
         assert len(messages) == 2 and f"seed {SEED}" in messages[1], messages  # hidden ran
     assert f"total: {total}/{total} exercises passed (hidden cases drawn with seed {SEED}" in table
+
+
+def test_json_with_no_path_prints_the_report_instead_of_the_table(tmp_path, no_leftovers,
+                                                                 capsys):
+    path = write(release_notebook(CHAPTERS[FAST_CHAPTER]), tmp_path, FAST_CHAPTER)
+    code = main(["grade", str(path), "--no-hidden", "--json"])
+    data = json.loads(capsys.readouterr().out)  # the whole of stdout is the JSON report
+    assert code == 1 and data["passed"] == 0 and data["total"] > 0
 
 
 #: One injected bug per exercise: (exercise, the line as the reference writes it, the bug).

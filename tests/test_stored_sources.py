@@ -57,7 +57,7 @@ def test_the_book_shows_library_code():
 def test_a_listing_is_the_current_source(path, expr, stored):
     current = inspect.getsource(eval(expr, labs_namespace(path)))  # noqa: S307
     assert stored.rstrip() == current.rstrip(), (f"{path.name} shows an old {expr}: re-execute it "
-                               f"(python tools/make_*.py, then python tools/execute_notebooks.py)")
+                               f"(make chapter NB={path.stem[:2]})")
 
 
 def test_notebooks_are_stored_without_timing_metadata():

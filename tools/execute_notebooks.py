@@ -1,7 +1,14 @@
-"""Execute notebooks in place and store them without per-cell timing metadata.
+"""Execute chapters in place and store them without per-cell timing metadata.
 
-    python tools/execute_notebooks.py notebooks/02_allreduce_algorithms.ipynb [...]
+    python tools/execute_notebooks.py notebooks/02_allreduce_algorithms.md [...]
     python tools/execute_notebooks.py --strip-only notebooks/*.ipynb
+
+A chapter is a MyST Markdown notebook (``notebooks/NN_name.md``, what an author edits) paired
+by jupytext with ``notebooks/NN_name.ipynb`` (the executed outputs that nbval, the grader and
+the book use). Given either file, this first brings the pair into agreement with ``jupytext
+--sync`` (from whichever of the two was edited last, keeping the outputs of unchanged cells),
+then executes the ``.ipynb``. ``make chapter NB=02`` runs it on one chapter, ``make
+notebooks`` on all.
 
 `jupyter execute` would record when every cell started and finished (``metadata.execution``),
 so each re-execution rewrote every cell of the committed notebook; and it ignores
@@ -28,6 +35,7 @@ import re
 from pathlib import Path
 
 import nbformat
+from jupytext.cli import jupytext
 from nbclient import NotebookClient
 
 #: Seconds one cell may run: generous, since the stored outputs are what nbval compares.
@@ -84,6 +92,16 @@ def stable_widget_ids(nb: nbformat.NotebookNode, name: str) -> nbformat.Notebook
     return nbformat.reads(text, as_version=4)
 
 
+def synced(path: Path) -> Path:
+    """The ``.ipynb`` of the chapter ``path`` (its ``.md`` or its ``.ipynb``), once jupytext
+    has brought the two into agreement."""
+    if path.suffix not in (".md", ".ipynb") or not path.exists():
+        raise SystemExit(f"{path}: not a chapter; give notebooks/NN_name.md (or its .ipynb)")
+    if path.with_suffix(".md").exists():
+        jupytext(["--sync", "--quiet", str(path.with_suffix(".md"))])
+    return path.with_suffix(".ipynb")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
@@ -91,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="only remove the timing metadata and rename widget ids; "
                              "execute nothing")
     opts = parser.parse_args(argv)
-    for path in opts.notebooks:
+    for chapter in opts.notebooks:
+        path = synced(chapter)
         nb = nbformat.read(path, as_version=4)
         strip_timing(nb)
         if not opts.strip_only:

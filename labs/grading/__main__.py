@@ -1,7 +1,7 @@
 """``python -m labs.grading``: release learners' copies, grade their notebooks.
 
     python -m labs.grading release OUT_DIR
-    python -m labs.grading grade STUDENT.ipynb [...] [--json report.json] [--seed N]
+    python -m labs.grading grade STUDENT.ipynb [...] [--json [report.json]] [--seed N]
 
 ``grade`` exits 0 when every exercise passed, 1 when any failed, 2 on bad input (nothing is
 run then).
@@ -32,8 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     rel.add_argument("--force", action="store_true", help="overwrite notebooks in OUT_DIR")
     gr = sub.add_parser("grade", help="grade learners' notebooks")
     gr.add_argument("notebooks", nargs="+", type=Path, metavar="STUDENT.ipynb")
-    gr.add_argument("--json", type=Path, metavar="PATH",
-                    help="also write the report as JSON (- for stdout, instead of the table)")
+    gr.add_argument("--json", type=Path, metavar="PATH", nargs="?", const=Path("-"),
+                    help="also write the report as JSON to PATH; with no PATH (or -), print "
+                         "it to stdout instead of the table")
     gr.add_argument("--seed", type=int, help="seed of the hidden cases (default: drawn)")
     gr.add_argument("--no-hidden", action="store_true", help="run the visible cases only")
     gr.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,

@@ -88,6 +88,9 @@ def release_notebook(chapter: Chapter) -> nbformat.NotebookNode:
     """The learner's copy of one reference chapter."""
     nb = copy.deepcopy(chapter.nb)
     nb.metadata.pop("widgets", None)  # saved widget views are outputs too
+    # The reference is paired with its MyST source; a learner's copy is one plain notebook
+    # (paired, a Jupyter with jupytext would write a .md beside it at every save).
+    nb.metadata.pop("jupytext", None)
     nb.metadata[METADATA_KEY] = {"chapter": chapter.name}
     for cell in nb.cells:
         if cell.cell_type != "code":
