@@ -2,10 +2,8 @@
 
 The library the book's notebooks import. Modules follow the chapters:
 
-* :mod:`labs.launch` - run ``fn(rank, world_size, ...)`` on N real ranks (every chapter).
-  The package re-exports its names, so ``labs.launch`` the attribute is the function
-  ``launch``, not the module: write ``from labs import launch, rank_device`` or
-  ``from labs.launch import ...``; ``import labs.launch as m`` gives the function too.
+* :mod:`labs.launcher` - ``launch``: run ``fn(rank, world_size, ...)`` on N real ranks
+  (every chapter). The package re-exports its names: ``from labs import launch, rank_device``.
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces;
@@ -31,7 +29,7 @@ The library the book's notebooks import. Modules follow the chapters:
   them with nbval (``python -m labs.grading release|grade``).
 """
 
-from labs.launch import (
+from labs.launcher import (
     MAX_WORLD_SIZE,
     Backend,
     LaunchTimeout,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from labs.bench_collectives import add_case_arguments, settings_from_args, sweep_tables
-from labs.launch import launch, run_torchrun, under_torchrun
+from labs.launcher import launch, run_torchrun, under_torchrun
 from labs.timing import time_collectives
 from labs.toy_allreduce import (
     EXAMPLE_SENTENCES,

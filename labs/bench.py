@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from labs.bench_collectives import add_collectives_parser, collectives_main
 from labs.bench_ddp import add_ddp_parser, ddp_main
 from labs.bench_fsdp import add_fsdp_parser, fsdp_main
-from labs.launch import StartMethod, launch
+from labs.launcher import StartMethod, launch
 
 # --- python -m labs.bench launch ----------------------------------------------------------------
 
@@ -67,7 +67,7 @@ def bench_launch(world_sizes: Sequence[int], repeats: int, methods: Sequence[str
         code = (
             "import json\n"
             "from labs.bench import _time_launches\n"
-            "from labs.launch import StartMethod\n"
+            "from labs.launcher import StartMethod\n"
             "if __name__ == '__main__':\n"
             f"    print(json.dumps(_time_launches({world_size}, StartMethod({method!r}), "
             f"{repeats})))\n"

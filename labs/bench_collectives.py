@@ -34,7 +34,7 @@ from labs.collectives import (
     Algorithm,
     Collective,
 )
-from labs.launch import MAX_WORLD_SIZE, Backend, cpu_cores
+from labs.launcher import MAX_WORLD_SIZE, Backend, cpu_cores
 from labs.timing import (
     COMM_THREADS,
     DTYPES,

@@ -17,7 +17,7 @@ import argparse
 from typing import Any
 
 from labs.ddp_experiments import Case, Implementation, Optimizer, StepSettings, measure_step_times
-from labs.launch import launch
+from labs.launcher import launch
 from labs.zero_experiments import Group, Strategy, memory_worker
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from labs.launch import MAX_WORLD_SIZE, LaunchTimeout, RankError, RankFailure, launch
+from labs.launcher import MAX_WORLD_SIZE, LaunchTimeout, RankError, RankFailure, launch
 
 #: How long one check launch may run before the learner's code is declared hung.
 CHECK_TIMEOUT_S = 10.0
@@ -90,7 +90,7 @@ def failing_rank(err: RankError) -> RankFailure:
 
 
 def explain_hang(n: int, err: LaunchTimeout, timeout: float) -> tuple[str | None, str]:
-    """Read a check's :class:`~labs.launch.LaunchTimeout`: ``(verdict, where)``. ``verdict``
+    """Read a check's :class:`~labs.launcher.LaunchTimeout`: ``(verdict, where)``. ``verdict``
     is the whole explanation when the ranks were still joining the group (a busy machine, not
     the learner's bug), else None; ``where`` names the first learner frame a hung rank was
     waiting at (" Rank r was waiting at ..." or "")."""

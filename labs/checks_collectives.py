@@ -51,7 +51,7 @@ from labs.checks import (
     validate_check_call,
 )
 from labs.collectives import Collective, shard_bounds
-from labs.launch import LaunchTimeout, RankError, launch
+from labs.launcher import LaunchTimeout, RankError, launch
 
 #: The collectives of torch.distributed a learner might reach for; inside a check each raises.
 _COLLECTIVES = (

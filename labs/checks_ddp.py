@@ -57,7 +57,7 @@ from labs.checks import (
     report,
     validate_run_arguments,
 )
-from labs.launch import LaunchTimeout, RankError, launch
+from labs.launcher import LaunchTimeout, RankError, launch
 
 #: Samples in the check's batch: lcm(1..8), so every world size up to 8 gets an equal shard.
 BATCH = 840

@@ -68,7 +68,7 @@ from labs.checks import (
     validate_check_call,
 )
 from labs.checks_collectives import CollectiveUsedError
-from labs.launch import LaunchTimeout, RankError, launch
+from labs.launcher import LaunchTimeout, RankError, launch
 from labs.memory import AllocationTracker
 from labs.zero import shard_numel
 

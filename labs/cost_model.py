@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from labs.collectives import Algorithm, Collective
-from labs.launch import cpu_cores, launch
+from labs.launcher import cpu_cores, launch
 from labs.timing import (
     COMM_THREADS,
     P2PPattern,

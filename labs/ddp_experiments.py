@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP, assign_buckets, trainable_parameters
-from labs.launch import launch, rank_device
+from labs.launcher import launch, rank_device
 
 
 class Implementation(enum.Enum):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labs.ddp_experiments import Implementation, synchronise, wrap
-from labs.launch import rank_device
+from labs.launcher import rank_device
 
 
 class TwoHeads(nn.Module):

@@ -1,7 +1,7 @@
 """Experiments of chapters 2-4 that look inside the collectives of :mod:`labs.collectives`.
 
 Each experiment is a frozen settings dataclass, a rank worker ``fn(rank, world_size,
-settings)`` for :func:`labs.launch.launch`, and a parent-side function that validates the
+settings)`` for :func:`labs.launcher.launch`, and a parent-side function that validates the
 settings (before any process starts), launches the worker and returns plain results:
 
 * **ring trace** (:class:`TraceSettings`, :func:`run_ring_trace`): every step of a ring
@@ -46,7 +46,7 @@ from labs.collectives import (
     ring_reduce_scatter,
     shard_bounds,
 )
-from labs.launch import MAX_WORLD_SIZE, Backend, launch
+from labs.launcher import MAX_WORLD_SIZE, Backend, launch
 from labs.timing import COMM_THREADS
 
 # --- the ring trace ---------------------------------------------------------------------------

@@ -58,7 +58,7 @@ parameters, activations, gradients, optimizer state and temporaries, but not the
 itself nor what gloo allocates inside a collective.
 
 Import cost: ``torch.distributed.tensor`` takes about a second to import on 2 cores. Under
-torch 2.13 ranks never pay it, because ``torch._dynamo``, which :data:`labs.launch._PRELOAD`
+torch 2.13 ranks never pay it, because ``torch._dynamo``, which :data:`labs.launcher._PRELOAD`
 already imports in the forkserver, imports it (and ``torch.distributed.fsdp``) itself.
 """
 
@@ -82,7 +82,7 @@ from torch.utils._pytree import tree_flatten
 
 from labs.ddp import broadcast_state
 from labs.fsdp import FSDP, default_units
-from labs.launch import launch, rank_device
+from labs.launcher import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.models import TiedNet
 

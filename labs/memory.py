@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from labs.collectives import Algorithm, Collective, all_gather, reduce_scatter, shard_bounds
-from labs.launch import rank_device
+from labs.launcher import rank_device
 
 if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn (ranks import this)
     from matplotlib.figure import Figure

@@ -39,7 +39,7 @@ from labs.collectives import (
 )
 from labs.collectives import all_gather as _all_gather
 from labs.collectives import reduce_scatter as _reduce_scatter
-from labs.launch import launch, rank_device
+from labs.launcher import launch, rank_device
 
 # Ranks import this module to find their workers (time_collectives, time_p2p, ...), so it
 # imports nothing heavy: tqdm and matplotlib stay in labs.bench_collectives.

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labs.launch import rank_device
+from labs.launcher import rank_device
 
 #: The per-rank gradients of ``W_query[0, 0]`` in chapter 1's example (ranks 0..3).
 EXAMPLE_GRADIENTS: tuple[float, ...] = (0.1, -0.2, 0.4, -0.1)

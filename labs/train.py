@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP
 from labs.ddp_experiments import Implementation, wrap
-from labs.launch import rank_device
+from labs.launcher import rank_device
 from labs.toy_allreduce import EXAMPLE_SENTENCES
 
 #: The training text: the seed sentences, one per line (the newline marks where one ends).

@@ -19,7 +19,7 @@ from labs.ddp_experiments import (
     measure_step_times,
     measure_timelines,
 )
-from labs.launch import launch
+from labs.launcher import launch
 from labs.timing import dtype_name, format_size
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table

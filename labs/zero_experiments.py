@@ -20,7 +20,7 @@ from labs.collectives import Algorithm, Recorder, ring_all_reduce
 from labs.ddp import DDP
 from labs.ddp_experiments import StepSettings, mlp
 from labs.fsdp import FSDP
-from labs.launch import launch, rank_device
+from labs.launcher import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 

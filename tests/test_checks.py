@@ -23,7 +23,7 @@ from labs.collectives import (
     shard_bounds,
     whole_tensor_ring_all_reduce,
 )
-from labs.launch import RankError, RankFailure
+from labs.launcher import RankError, RankFailure
 
 
 def correct(model):

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from labs.grading.__main__ import EXIT_USAGE, main
-from labs.grading.grade import (
+from labs.grading.grader import (
     VERDICT_REGEX,
     VERDICT_REPLACE,
     ExerciseGrade,
@@ -32,6 +32,7 @@ from labs.grading.grade import (
     grade,
     match_chapter,
 )
+from labs.grading.handout import METADATA_KEY, load_chapters, release, release_notebook, stub_source
 from labs.grading.notebook import (
     CellTag,
     Chapter,
@@ -41,7 +42,6 @@ from labs.grading.notebook import (
     learner_cells,
     parse_check,
 )
-from labs.grading.release import METADATA_KEY, load_chapters, release, release_notebook, stub_source
 from labs.grading.sandbox import ProcessSweep, is_subreaper
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from nbclient import NotebookClient
 
 import labs
 from labs import Backend, LaunchTimeout, RankError, RankResults, launch
-from labs.launch import pick_backend
+from labs.launcher import pick_backend
 
 from launch_driver import meet  # the same rendezvous helper the two-process test runs
 

@@ -37,7 +37,7 @@ from labs.experiments import (  # noqa: E402
     measure_traffic,
     run_ring_trace,
 )
-from labs.launch import Backend  # noqa: E402
+from labs.launcher import Backend  # noqa: E402
 from labs.viz import (  # noqa: E402
     plot_traffic,
     ring_animation,

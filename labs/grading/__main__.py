@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from labs.grading.grade import DEFAULT_REFERENCE_DIR, DEFAULT_TIMEOUT_S, GradeSettings, grade
+from labs.grading.grader import DEFAULT_REFERENCE_DIR, DEFAULT_TIMEOUT_S, GradeSettings, grade
+from labs.grading.handout import release
 from labs.grading.notebook import GradingError
-from labs.grading.release import release
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

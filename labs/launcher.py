@@ -78,7 +78,7 @@ _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ran
 #: methods with dynamo's "disable"), about 1.3 s per rank per launch on 2 cores; preloaded, a
 #: later launch that builds an optimizer takes 0.07 s instead of 1.4 s. It starts no thread,
 #: so forking after it stays safe.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labs.launch"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labs.launcher"]
 #: Error texts that mean "a peer went away", not "this rank's code is wrong".
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|"

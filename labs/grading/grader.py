@@ -45,8 +45,8 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from tqdm.auto import tqdm
 
 from labs.grading import submission
+from labs.grading.handout import METADATA_KEY, load_chapters
 from labs.grading.notebook import Chapter, ExerciseCells, GradingError, learner_cells
-from labs.grading.release import METADATA_KEY, load_chapters
 from labs.grading.sandbox import ProcessSweep
 
 #: The course's reference notebooks (this checkout's notebooks/).
