@@ -21,8 +21,9 @@ The library the book's notebooks import. Modules follow the chapters:
   :mod:`labs.fsdp_torch` runs torch's ``fully_shard`` beside them.
 * :mod:`labs.checks` - the exercise checks, run on real ranks (chapters 2-4 in
   :mod:`labs.checks_collectives`, 5 in :mod:`labs.checks_ddp`, 6 in :mod:`labs.checks_zero`).
-* :mod:`labs.viz`, :mod:`labs.viz_ddp`, :mod:`labs.viz_zero`, :mod:`labs.widgets` - tables,
-  figures, widget panels.
+* :mod:`labs.tables` - plain text tables (one formatter, no matplotlib);
+  :mod:`labs.viz`, :mod:`labs.viz_ddp`, :mod:`labs.viz_zero`, :mod:`labs.widgets` - figures,
+  the tables of chapters 5 and 6, widget panels.
 * :mod:`labs.bench` - benchmarks (``python -m labs.bench launch``, ``... collectives``,
   ``... ddp``, ``... fsdp``).
 * :mod:`labs.grading` - for instructors: release learners' copies of the notebooks and grade

@@ -32,6 +32,7 @@ from typing import Any
 
 from labs.bench_collectives import add_case_arguments, settings_from_args, sweep_tables
 from labs.launcher import launch, run_torchrun, under_torchrun
+from labs.tables import format_table, toy_table
 from labs.timing import time_collectives
 from labs.toy_allreduce import (
     EXAMPLE_SENTENCES,
@@ -42,7 +43,6 @@ from labs.toy_allreduce import (
     toy_all_reduce_step,
 )
 from labs.train import TrainConfig, TrainResult, Wrapper, check_resume, train_worker
-from labs.viz import format_table, toy_table
 from labs.viz_zero import memory_table, traffic_table
 from labs.zero_experiments import LAB_SETTINGS, Strategy, lab_worker
 

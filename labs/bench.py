@@ -38,6 +38,7 @@ from labs.bench_collectives import add_collectives_parser, collectives_main
 from labs.bench_ddp import add_ddp_parser, ddp_main
 from labs.bench_fsdp import add_fsdp_parser, fsdp_main
 from labs.launcher import StartMethod, launch
+from labs.tables import format_table
 
 # --- python -m labs.bench launch ----------------------------------------------------------------
 
@@ -58,8 +59,6 @@ def _time_launches(world_size: int, method: StartMethod, repeats: int) -> dict[s
 
 def bench_launch(world_sizes: Sequence[int], repeats: int, methods: Sequence[str]) -> str:
     from tqdm import tqdm
-
-    from labs.viz import format_table
 
     rows = []
     cases = [(m, n) for m in methods for n in world_sizes]

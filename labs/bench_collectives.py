@@ -35,6 +35,7 @@ from labs.collectives import (
     Collective,
 )
 from labs.launcher import MAX_WORLD_SIZE, Backend, cpu_cores
+from labs.tables import format_table
 from labs.timing import (
     COMM_THREADS,
     DTYPES,
@@ -307,8 +308,6 @@ def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:
 
 def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
     """One table per backend and world size, then the all-reduce "ring vs torch" summary."""
-    from labs.viz import format_table
-
     header = ["collective", "algorithm", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
               "correct", "busbw / torch"]
     blocks = []
@@ -343,8 +342,6 @@ def ring_vs_torch_table(timings: Sequence[CollectiveTiming]) -> str:
     of the ring to torch's built-in (:func:`ratio_to_torch`), and, after several launches, the
     lowest and highest ratio of a single launch in brackets (:func:`launch_ratios`). Empty
     when the sweep had no ring or no torch."""
-    from labs.viz import format_table
-
     rings = [t for t in timings if t.case.collective is Collective.ALL_REDUCE
              and t.case.algorithm is Algorithm.RING and _torch_of(t, timings) is not None]
     if not rings:

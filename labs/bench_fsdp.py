@@ -18,6 +18,7 @@ from typing import Any
 
 from labs.ddp_experiments import Case, Implementation, Optimizer, StepSettings, measure_step_times
 from labs.launcher import launch
+from labs.tables import format_table
 from labs.zero_experiments import Group, Strategy, memory_worker
 
 
@@ -34,7 +35,6 @@ def add_fsdp_parser(sub: Any) -> None:
 
 
 def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from labs.viz import format_table  # matplotlib: not in the ranks
 
     try:
         settings = StepSettings(width=opts.width, layers=opts.layers, batch=opts.batches[0],

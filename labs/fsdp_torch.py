@@ -85,6 +85,7 @@ from labs.fsdp import FSDP, default_units
 from labs.launcher import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.models import TiedNet
+from labs.tables import format_table
 
 #: The first torch with ``fully_shard`` at all (as torch.distributed._composable.fsdp).
 FULLY_SHARD_MIN_TORCH = (2, 4)
@@ -541,8 +542,6 @@ def held_table(reference: RunResult, reports: Mapping[int, Sequence[RankReport]]
                ranks: Sequence[int] = (0,)) -> str:
     """Bytes held after the last step: the reference, then per world size and rank each
     wrapper; ``reports`` maps a world size to the per-rank reports of one launch."""
-    from labs.viz import format_table
-
     header = ["N", "rank", "wrapper", "parameters", "gradients", "optimizer state",
               "buffers", "peak during step"]
 

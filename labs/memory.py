@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from labs.collectives import Algorithm, Collective, all_gather, reduce_scatter, shard_bounds
 from labs.launcher import rank_device
+from labs.tables import format_table
 
 if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn (ranks import this)
     from matplotlib.figure import Figure
@@ -503,8 +504,6 @@ def memory_table(per_rank: Sequence[Sequence[MemorySnapshot]], ranks: Sequence[i
                  ) -> str:
     """A text table of the snapshots of the given ranks: elements and bytes per group,
     transient bytes and the total."""
-    from labs.viz import format_table
-
     groups = _groups(per_rank)
     header = ["rank", "moment", *(f"{g} (elements)" for g in groups), "held bytes",
               "allocated during (peak bytes)", "total bytes"]

@@ -1,5 +1,6 @@
-"""Tables and figures for the notebooks: plain text tables (deterministic, so nbval can compare
-them) and matplotlib figures."""
+"""Figures for chapters 1-4 (matplotlib): the toy all-reduce, gradient parity, traffic, the
+ring frame by frame and its animation, collective timings. Their text tables are in
+:mod:`labs.tables`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 import matplotlib.pyplot as plt
 import torch
@@ -19,35 +19,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from labs.collectives import Phase, RingStep, shard_bounds
-from labs.experiments import AgreementRow, TrafficRow
+from labs.experiments import TrafficRow
+from labs.tables import values_text
 from labs.timing import CollectiveTiming, format_size
 from labs.toy_allreduce import ToyRankRecord
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A fixed-width text table; floats are written with 9 significant digits (float32)."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: object) -> str:
-    return f"{value:.9g}" if isinstance(value, float) else str(value)
-
-
-def toy_table(records: Sequence[ToyRankRecord]) -> str:
-    """Per-rank values before and after the all-reduce and the SGD step."""
-    header = ["rank", "grad before", "after all_reduce (sum)", "/ world size", "param before",
-              "param after", "param bits"]
-    rows = [
-        [r.rank, r.local_grad, r.summed, r.averaged, r.param_before, r.param_after,
-         r.param_after_bits]
-        for r in records
-    ]
-    return format_table(header, rows)
 
 
 def plot_toy_allreduce(records: Sequence[ToyRankRecord]) -> Figure:
@@ -92,49 +67,6 @@ def plot_gradient_parity(
 # --- chapter 2: sizes, traces, traffic ---------------------------------------------------------
 
 
-def _values_text(values: Sequence[float], sep: str = " ") -> str:
-    return sep.join(f"{v:g}" for v in values) if values else "-"
-
-
-def ring_trace_table(steps: Sequence[RingStep]) -> str:
-    """One row per rank and ring step: the chunk it sent right and its values, the chunk that
-    arrived from the left, and that chunk after the rank combined it (reduce-scatter: added
-    its own part; all-gather: stored it). Steps are numbered from 0 within each phase."""
-    ordered = sorted(steps, key=lambda s: (list(Phase).index(s.phase), s.step, s.rank))
-    world_size = 1 + max((s.rank for s in steps), default=0)
-    header = ["phase", "step", "rank", "sends chunk", "to", "values sent", "gets chunk",
-              "from", "values received", "chunk after"]
-    rows = [
-        [s.phase.value, s.step, s.rank, s.sent_chunk, (s.rank + 1) % world_size,
-         _values_text(s.sent), s.received_chunk, (s.rank - 1) % world_size,
-         _values_text(s.received), _values_text(s.chunk_after)]
-        for s in ordered
-    ]
-    return format_table(header, rows)
-
-
-def _fraction_text(value: Fraction) -> str:
-    return str(value)  # 3, 3/2, 7/4: exact, so the table is deterministic
-
-
-def traffic_table(rows: Sequence[TrafficRow]) -> str:
-    """Measured traffic beside its closed form, per world size and algorithm: messages and
-    bytes (in multiples of S) sent and received by the busiest rank (for the naive algorithm,
-    the root), and messages sent by the whole group."""
-    header = ["N", "algorithm", "msgs sent", "formula", "sent / S", "formula",
-              "received / S", "formula", "group msgs", "formula", "match"]
-    body = [
-        [r.world_size, r.algorithm.value,
-         r.measured.messages_sent, r.expected.messages_sent,
-         _fraction_text(r.measured.sent), _fraction_text(r.expected.sent),
-         _fraction_text(r.measured.received), _fraction_text(r.expected.received),
-         r.measured.group_messages, r.expected.group_messages,
-         "yes" if r.matches else "NO"]
-        for r in rows
-    ]
-    return format_table(header, body)
-
-
 def plot_traffic(rows: Sequence[TrafficRow]) -> Figure:
     """Measured traffic against N, one line per algorithm: bytes the busiest rank sends (in
     multiples of S; the naive root's link, the ring's every link) and the messages it sends
@@ -157,18 +89,6 @@ def plot_traffic(rows: Sequence[TrafficRow]) -> Figure:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     return fig
-
-
-def agreement_table(rows: Sequence[AgreementRow]) -> str:
-    """Per world size and algorithm: at how many elements the ranks' bits differ, the largest
-    error against the exact (float64) sum, and the largest difference from torch's result."""
-    header = ["N", "algorithm", "elements where ranks differ", "max |error|",
-              "max |result - torch|"]
-    body = [
-        [r.world_size, r.algorithm.value, r.differing, f"{r.error:.2e}", f"{r.from_torch:.2e}"]
-        for r in rows
-    ]
-    return format_table(header, body)
 
 
 # --- chapter 2: the ring, frame by frame -------------------------------------------------------
@@ -378,7 +298,7 @@ def _draw_ring_frame(ax: Axes, frame: RingFrame, grid: _Grid) -> None:
             else:
                 count = len(cell.contributors)
                 face = colours[count - 1] if count else "white"
-                text = _values_text(cell.values, "\n")
+                text = values_text(cell.values, "\n")
                 colour = "white" if count > n / 2 else "black"
             if (rank, chunk) in arrived:
                 edge, width, z = "tab:red", 2.4, 3
@@ -394,7 +314,7 @@ def _draw_ring_frame(ax: Axes, frame: RingFrame, grid: _Grid) -> None:
     for t in frame.transfers:
         x = grid.left(t.chunk) + grid.cell_w / 2
         start = grid.top(t.source) - grid.cell_h
-        label = _values_text(t.values, " ")
+        label = values_text(t.values, " ")
         arrow = {"arrowstyle": "-|>", "color": "tab:orange", "lw": 1.6, "shrinkA": 0,
                  "shrinkB": 0}
         if t.dest == (t.source + 1) and t.dest < n:

@@ -17,7 +17,7 @@ from labs.ddp_experiments import (
     StepTimeRow,
     cap_text,
 )
-from labs.viz import format_table
+from labs.tables import format_table
 
 _COLOURS = {
     Implementation.LOCAL: "tab:gray",

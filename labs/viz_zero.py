@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from labs.viz import format_table
+from labs.tables import format_table
 from labs.zero_experiments import (
     BytesPerParameter,
     Group,

@@ -20,9 +20,10 @@ from labs.ddp_experiments import (
     measure_timelines,
 )
 from labs.launcher import launch
+from labs.tables import toy_table
 from labs.timing import dtype_name, format_size
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
-from labs.viz import plot_collective_bars, plot_toy_allreduce, toy_table
+from labs.viz import plot_collective_bars, plot_toy_allreduce
 from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
 from labs.viz_zero import calculator_table, plot_calculator, plot_step_memory
 from labs.zero_experiments import (

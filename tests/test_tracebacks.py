@@ -132,6 +132,7 @@ def oldest_cloudpickle() -> str:
     return found.group(1)
 
 
+@pytest.mark.slow
 def test_the_oldest_cloudpickle_shows_them_too(tmp_path):
     """Runs the tests above again with the oldest cloudpickle the course admits, installed
     with pip into a folder put first on the path of the kernel and the ranks."""

@@ -38,14 +38,8 @@ from labs.experiments import (  # noqa: E402
     run_ring_trace,
 )
 from labs.launcher import Backend  # noqa: E402
-from labs.viz import (  # noqa: E402
-    plot_traffic,
-    ring_animation,
-    ring_frames,
-    ring_steps_figure,
-    ring_trace_table,
-    traffic_table,
-)
+from labs.tables import ring_trace_table, traffic_table  # noqa: E402
+from labs.viz import plot_traffic, ring_animation, ring_frames, ring_steps_figure  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,105 @@
+"""Plain text tables: fixed width and deterministic, so that nbval can compare them and a
+terminal (``python -m labs ...``) prints them as the notebook does. No matplotlib here, so
+ranks and command-line tools can import it cheaply.
+
+:func:`format_table` is the one formatter; the functions after it lay out the records of
+chapters 1 and 2 with it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from labs.p2p import Phase
+
+if TYPE_CHECKING:
+    from labs.experiments import AgreementRow, TrafficRow
+    from labs.p2p import RingStep
+    from labs.toy_allreduce import ToyRankRecord
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A fixed-width text table; floats are written with 9 significant digits (float32)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    return f"{value:.9g}" if isinstance(value, float) else str(value)
+
+
+def toy_table(records: Sequence[ToyRankRecord]) -> str:
+    """Per-rank values before and after the all-reduce and the SGD step."""
+    header = ["rank", "grad before", "after all_reduce (sum)", "/ world size", "param before",
+              "param after", "param bits"]
+    rows = [
+        [r.rank, r.local_grad, r.summed, r.averaged, r.param_before, r.param_after,
+         r.param_after_bits]
+        for r in records
+    ]
+    return format_table(header, rows)
+
+
+
+# --- chapter 2: traces and traffic ---------------------------------------------------------
+
+
+def values_text(values: Sequence[float], sep: str = " ") -> str:
+    """A chunk's values as short numbers (``-`` for an empty chunk)."""
+    return sep.join(f"{v:g}" for v in values) if values else "-"
+
+
+def ring_trace_table(steps: Sequence[RingStep]) -> str:
+    """One row per rank and ring step: the chunk it sent right and its values, the chunk that
+    arrived from the left, and that chunk after the rank combined it (reduce-scatter: added
+    its own part; all-gather: stored it). Steps are numbered from 0 within each phase."""
+    ordered = sorted(steps, key=lambda s: (list(Phase).index(s.phase), s.step, s.rank))
+    world_size = 1 + max((s.rank for s in steps), default=0)
+    header = ["phase", "step", "rank", "sends chunk", "to", "values sent", "gets chunk",
+              "from", "values received", "chunk after"]
+    rows = [
+        [s.phase.value, s.step, s.rank, s.sent_chunk, (s.rank + 1) % world_size,
+         values_text(s.sent), s.received_chunk, (s.rank - 1) % world_size,
+         values_text(s.received), values_text(s.chunk_after)]
+        for s in ordered
+    ]
+    return format_table(header, rows)
+
+
+def _fraction_text(value: Fraction) -> str:
+    return str(value)  # 3, 3/2, 7/4: exact, so the table is deterministic
+
+
+def traffic_table(rows: Sequence[TrafficRow]) -> str:
+    """Measured traffic beside its closed form, per world size and algorithm: messages and
+    bytes (in multiples of S) sent and received by the busiest rank (for the naive algorithm,
+    the root), and messages sent by the whole group."""
+    header = ["N", "algorithm", "msgs sent", "formula", "sent / S", "formula",
+              "received / S", "formula", "group msgs", "formula", "match"]
+    body = [
+        [r.world_size, r.algorithm.value,
+         r.measured.messages_sent, r.expected.messages_sent,
+         _fraction_text(r.measured.sent), _fraction_text(r.expected.sent),
+         _fraction_text(r.measured.received), _fraction_text(r.expected.received),
+         r.measured.group_messages, r.expected.group_messages,
+         "yes" if r.matches else "NO"]
+        for r in rows
+    ]
+    return format_table(header, body)
+
+
+def agreement_table(rows: Sequence[AgreementRow]) -> str:
+    """Per world size and algorithm: at how many elements the ranks' bits differ, the largest
+    error against the exact (float64) sum, and the largest difference from torch's result."""
+    header = ["N", "algorithm", "elements where ranks differ", "max |error|",
+              "max |result - torch|"]
+    body = [
+        [r.world_size, r.algorithm.value, r.differing, f"{r.error:.2e}", f"{r.from_torch:.2e}"]
+        for r in rows
+    ]
+    return format_table(header, body)
