@@ -30,10 +30,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from labs.bench_collectives import add_case_arguments, settings_from_args, sweep_tables
-from labs.launcher import launch, run_torchrun, under_torchrun
+from labs.bench.collectives import add_case_arguments, settings_from_args
+from labs.experiments.sweep import sweep_tables
+from labs.experiments.timing import time_collectives
+from labs.experiments.zero import LAB_SETTINGS, lab_worker
+from labs.launcher import launch
 from labs.tables import format_table, toy_table
-from labs.timing import time_collectives
+from labs.torchrun import run_torchrun, under_torchrun
 from labs.toy_allreduce import (
     EXAMPLE_SENTENCES,
     ToyAllReduceConfig,
@@ -42,9 +45,9 @@ from labs.toy_allreduce import (
     max_abs_difference,
     toy_all_reduce_step,
 )
-from labs.train import TrainConfig, TrainResult, Wrapper, check_resume, train_worker
-from labs.viz_zero import memory_table, traffic_table
-from labs.zero_experiments import LAB_SETTINGS, Strategy, lab_worker
+from labs.train import TrainConfig, TrainResult, check_resume, train_worker
+from labs.viz.zero import memory_table, traffic_table
+from labs.wrappers import Wrapper
 
 
 def _run(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
@@ -102,7 +105,7 @@ def _collectives(opts: argparse.Namespace, world_size: int) -> None:
 def _ddp(opts: argparse.Namespace, world_size: int) -> None:
     config = TrainConfig(
         steps=opts.steps, batch_size=opts.batch_size, accumulation=opts.accumulation, lr=opts.lr,
-        seed=opts.seed, wrapper=Wrapper(opts.wrapper), bucket_cap_mb=opts.bucket_cap_mb,
+        seed=opts.seed, wrapper=_WRAPPERS[opts.wrapper], bucket_cap_mb=opts.bucket_cap_mb,
         checkpoint=opts.checkpoint, checkpoint_every=opts.checkpoint_every, resume=opts.resume,
     )
     config.steps_per_epoch(world_size)  # refuse a batch larger than a rank's data here
@@ -132,9 +135,11 @@ def _zero(opts: argparse.Namespace, world_size: int) -> None:
     print(traffic_table(traffic))
 
 
-#: --strategies names -> Strategy
-_STRATEGIES = {"ddp": Strategy.DDP, "zero1": Strategy.ZERO1, "zero2": Strategy.ZERO2,
-               "fsdp": Strategy.ZERO3}
+#: --wrapper names -> Wrapper
+_WRAPPERS = {"naive": Wrapper.NAIVE, "ours": Wrapper.DDP, "torch": Wrapper.TORCH_DDP}
+#: --strategies names -> Wrapper
+_STRATEGIES = {"ddp": Wrapper.DDP, "zero1": Wrapper.ZERO1, "zero2": Wrapper.ZERO2,
+               "fsdp": Wrapper.FSDP}
 
 
 def _train_report(result: TrainResult, rows: int = 10) -> str:
@@ -181,8 +186,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ddp.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
     ddp.add_argument("--seed", type=int, default=defaults.seed,
                      help="model initialisation and data order")
-    ddp.add_argument("--wrapper", choices=[w.value for w in Wrapper],
-                     default=defaults.wrapper.value, help="the data-parallel wrapper")
+    ddp.add_argument("--wrapper", choices=list(_WRAPPERS),
+                     default={w: name for name, w in _WRAPPERS.items()}[defaults.wrapper],
+                     help="the data-parallel wrapper")
     ddp.add_argument("--bucket-cap-mb", type=float, default=defaults.bucket_cap_mb,
                      help="bucket size in MiB (ours, torch)")
     ddp.add_argument("--checkpoint", metavar="PATH", help="save to (and resume from) this file")

@@ -35,21 +35,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from labs.collectives import Algorithm, Collective
+from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p, time_reduction
+from labs.experiments.timing import COMM_THREADS, Statistic, format_size
 from labs.launcher import cpu_cores, launch
-from labs.timing import (
-    COMM_THREADS,
-    P2PPattern,
-    PointTiming,
-    Statistic,
-    format_size,
-    time_p2p,
-    time_reduction,
-)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from labs.timing import CollectiveTiming
+    from labs.experiments.timing import CollectiveTiming
 
 # Ranks import this module to find _cost_points: matplotlib is imported where a figure is made.
 
@@ -217,15 +210,15 @@ def fit_alpha_beta(
     """Measure on ``world_size`` real ranks and fit the model (one launch).
 
     Ranks 0 and 1 exchange messages of each size in ``sizes`` (the other ranks wait; see
-    :func:`labs.timing.time_p2p` for ``pattern``: an exchange, each rank sending and receiving
-    m bytes at once, is what one step of a ring or of recursive doubling does, and
+    :func:`labs.experiments.p2p_timing.time_p2p` for ``pattern``: an exchange, each rank sending
+    and receiving m bytes at once, is what one step of a ring or of recursive doubling does, and
     ``P2PPattern.RING_STEP`` has all ranks do it at once, the load of an N-rank collective);
     then every rank times ``torch.add`` on each of ``reduce_sizes`` (pass ``()`` to leave
     gamma at 0).
     Each size is summarised by ``statistic`` (see :func:`alpha_beta_from_points`), and
     :func:`fit_line` says how the line is fitted and what its quality numbers mean.
     ``threads`` is each rank's intra-op threads, as when collectives are timed
-    (:data:`labs.timing.COMM_THREADS`), so that gamma is the additions' cost there.
+    (:data:`labs.experiments.timing.COMM_THREADS`), so that gamma is the additions' cost there.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2 (a message needs two ranks), got "
@@ -395,7 +388,7 @@ def plot_cost_model(
               if t.world_size == world_size and t.case.collective is collective]
     if not chosen:
         raise ValueError(f"no {collective.value} timings at world size {world_size} to plot; "
-                         f"measure some with labs.timing.measure_collectives first.")
+                         f"measure some with labs.experiments.timing.measure_collectives first.")
     sizes = sorted({t.case.size_bytes for t in chosen})
     algorithms = [a for a in collective.algorithms() if any(t.case.algorithm is a for t in chosen)]
     cross = None

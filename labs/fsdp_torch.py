@@ -13,20 +13,21 @@ reduce-scatter the gradient and free after. It differs in how a shard looks:
   Gradients are DTensors of the same layout; Adam's state, made by ``zeros_like`` of a
   DTensor, is *not* padded: a rank whose shard has fewer rows holds less of it.
 
-What ``fully_shard`` does with the awkward parts (measured with torch 2.13 on CPU and gloo,
-and checked by ``tests/test_fsdp_torch.py``):
+What ``fully_shard`` does with the awkward parts (``tests/test_fsdp_torch.py`` checks each
+against the torch it runs on):
 
 * **Initialisation.** It does not broadcast: each rank keeps *its own* rows of *its own*
   initial values, so ranks built from different seeds silently train a stitched model.
   :func:`compare_worker` broadcasts parameters and buffers from rank 0 first
   (:func:`labs.ddp.broadcast_state`), as :class:`labs.fsdp.FSDP` and DDP do.
 * **Tied weights** (an embedding tied to the output layer). Wrapping the two modules in two
-  ``fully_shard`` calls raises, at the first forward, ``ValueError: Parameter 'head.weight'
-  is shared with a parameter already managed by another FSDP group``; torch suggests one
-  call on both, ``fully_shard([embed, head])``. Here, as in labs.fsdp, a unit that shares a
-  trainable parameter with another unit (or with the root) is not wrapped on its own and the
-  root's ``fully_shard`` manages the parameter (:func:`fully_shard_units`); one DTensor then
-  serves both attributes, it is all-gathered once and its gradient is the sum of both uses.
+  ``fully_shard`` calls is refused at the first forward ("Parameter 'head.weight' is shared
+  with a parameter already managed by another FSDP group"; some older versions let it pass)
+  and torch suggests one call on both, ``fully_shard([embed, head])``. Here, as in
+  labs.fsdp, a unit that shares a trainable parameter with another unit (or with the root) is
+  not wrapped on its own and the root's ``fully_shard`` manages the parameter
+  (:func:`fully_shard_units`); one DTensor then serves both attributes, it is all-gathered
+  once and its gradient is the sum of both uses.
 * **A frozen parameter** is sharded like the others (a ``Shard(0)`` DTensor with
   ``requires_grad=False``), all-gathered for forward, and gets no gradient and no
   reduce-scatter. labs.fsdp keeps frozen parameters whole on every rank instead.
@@ -38,37 +39,30 @@ and checked by ``tests/test_fsdp_torch.py``):
 
 On gloo, ``fully_shard``'s reduce-scatter is ``reduce_scatter_tensor``, which ProcessGroupGloo
 emulates with an all-reduce and a chunk (pytorch PR 118911): twice the traffic of a real
-reduce-scatter. Measured on loopback with torch 2.13 at N = 2, a 64 MiB
-``reduce_scatter_tensor`` moved 128 MiB, as much as ``all_reduce``; ``all_gather_into_tensor``
-moved 64 MiB. The ring of :mod:`labs.collectives` moves what the formulas say.
+reduce-scatter. The ring of :mod:`labs.collectives` moves what the formulas say.
 
-Which torch can run it (:func:`fully_shard_available`): ``fully_shard`` is
-``torch.distributed.fsdp.fully_shard`` from torch 2.6 and
-``torch.distributed._composable.fsdp.fully_shard`` in 2.4 and 2.5. On the CPU it needs
-torch >= 2.7, as run here with 2.4.0, 2.6.0, 2.7.0 and 2.13.0: 2.4 and 2.5 create CUDA streams
-in its first forward (``RuntimeError: FSDP requires CUDA for streams``), and 2.6, whose streams
-are device-generic (pytorch PR 136843), calls ``record_event`` on a CPU stream there, which has
-none (``AttributeError: 'Stream' object has no attribute 'record_event'``).
+Which torch can run it: :func:`fully_shard_available` answers, from
+:data:`FULLY_SHARD_MIN_TORCH` (where ``fully_shard`` exists at all) and
+:data:`FULLY_SHARD_CPU_MIN_TORCH` (where it runs on the CPU, whose streams older versions
+cannot use), with the error an older torch raises.
 
 What is counted as memory (:class:`HeldBytes`): the bytes of the tensor storages a rank holds
 after each optimizer step, as :mod:`labs.memory` counts them (each storage once, at its
 size); for a DTensor, the storage of its local shard. ``peak`` is the most storage bytes held
-at once during the step, read after every operator (:class:`StoragePeak`): shards, gathered
-parameters, activations, gradients, optimizer state and temporaries, but not the batch
-itself nor what gloo allocates inside a collective.
-
-Import cost: ``torch.distributed.tensor`` takes about a second to import on 2 cores. Under
-torch 2.13 ranks never pay it, because ``torch._dynamo``, which :data:`labs.launcher._PRELOAD`
-already imports in the forkserver, imports it (and ``torch.distributed.fsdp``) itself.
+at once during the step, read after every operator by a
+:class:`labs.memory.AllocationTracker`: shards, gathered parameters, activations, gradients,
+optimizer state and temporaries, but not the batch itself nor what gloo allocates inside a
+collective. With asynchronous collectives the peak can differ between runs: gloo completes
+them on its own thread, so whether a collective's input (for ``fully_shard`` at N = 4, the
+224-byte unsharded gradient of a unit) is still alive at a given operator depends on timing.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,14 +70,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from labs.ddp import broadcast_state
 from labs.fsdp import FSDP, default_units
 from labs.launcher import launch, rank_device
-from labs.memory import MemorySnapshot, MemoryTimeline
+from labs.memory import (
+    AllocationTracker,
+    MemorySnapshot,
+    MemoryTimeline,
+    is_dtensor,
+    local_tensor,
+)
 from labs.models import TiedNet
 from labs.tables import format_table
 
@@ -93,8 +90,6 @@ FULLY_SHARD_MIN_TORCH = (2, 4)
 FULLY_SHARD_CPU_MIN_TORCH = (2, 7)
 #: Where ``fully_shard`` lives, newest first.
 _FULLY_SHARD_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
-#: Where ``DTensor`` lives, newest first (torch.distributed._tensor in 2.4).
-_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
 
 class Sharding(enum.Enum):
@@ -175,36 +170,13 @@ def load_fully_shard(device_type: str = "cpu") -> Callable[..., Any]:
     return found
 
 
-def _dtensor_class() -> type | None:
-    """DTensor if this process has imported it (no tensor can be one otherwise), else None.
-    Looked up in sys.modules so that counting a plain model never pays for the import."""
-    for name in _DTENSOR_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "DTensor"):
-            return module.DTensor
-    return None
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage this rank holds: a DTensor's local shard, anything else as is.
-
-    ``DTensor._local_tensor`` rather than ``.to_local()``: the latter is an autograd op (a view
-    of the same storage), which must not run inside a dispatch mode (:class:`StoragePeak`).
-    """
-    dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(tensor, dtensor):
-        return tensor._local_tensor
-    return tensor
-
-
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of the whole tensor: DTensors are all-gathered (``full_tensor()``, a collective:
     every rank must call it, in the same order).
 
     Copied even after ``full_tensor()``: on a one-rank mesh it returns the local shard itself,
     so a value kept from step k would change with the optimizer's next in-place update."""
-    dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(tensor, dtensor):
+    if is_dtensor(tensor):
         tensor = tensor.detach().full_tensor()
     return tensor.detach().clone()
 
@@ -268,7 +240,7 @@ class HeldBytes:
     gradients: int
     optimizer_state: int  #: Adam's exp_avg and exp_avg_sq, and its 4-byte ``step`` tensors
     buffers: int
-    peak: int  #: most storage bytes held at once during the step (:class:`StoragePeak`)
+    peak: int  #: most storage bytes held at once during the step, read after every operator
 
 
 @dataclass(frozen=True)
@@ -327,79 +299,6 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> tuple[str, ...]:
 # --- measuring memory ---------------------------------------------------------------------------
 
 
-class StoragePeak(TorchDispatchMode):
-    """The most bytes of tensor storage alive at once inside the ``with`` block(s).
-
-    Counted: the storages of the tensors passed to :meth:`track` (shards, full vectors,
-    optimizer state) and of every tensor an operator returns inside the block, each storage
-    once, at its size *now*: read again after every operator, so a storage that FSDP frees
-    with ``untyped_storage().resize_(0)`` and regrows for the next all-gather is seen at both
-    sizes (:class:`labs.memory.AllocationTracker` reads a size once, when the storage is
-    created). A DTensor counts as its local shard: the DTensor itself is a wrapper whose own
-    "storage" has the global size and holds no data. The instance may be entered again and
-    again (once per step) and keeps what it tracks; :meth:`reset_peak` starts a new peak.
-
-    Not counted: memory used and released within one operator, buffers gloo or NCCL allocate
-    without making a tensor, Python objects. Only the entering thread is observed (CPU
-    autograd runs backward on it). With asynchronous collectives the peak can differ between
-    runs: gloo completes them on its own thread, so whether a collective's input (for
-    fully_shard at N = 4, the 224-byte unsharded gradient of a unit) is still alive at a
-    given operator depends on timing.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # As labs.memory.AllocationTracker: without this every operator goes through
-        # torch._dynamo.disable, which is slow and never needed here.
-        return False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._refs: dict[int, StorageWeakRef] = {}
-        self.peak_bytes = 0
-
-    def track(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count these tensors' storages from now on (while they are alive)."""
-        for tensor in tensors:
-            self._add(tensor)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def reset_peak(self) -> None:
-        """Start a new peak from what is alive now."""
-        self.peak_bytes = self.live_bytes
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of the tracked storages that are alive, at their current sizes."""
-        total = 0
-        for key, ref in list(self._refs.items()):
-            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-            if storage is None:  # every tensor on it is gone
-                del self._refs[key]
-                continue
-            total += storage.nbytes()
-        return total
-
-    def _add(self, tensor: torch.Tensor) -> None:
-        tensor = local_tensor(tensor)
-        if tensor.layout is not torch.strided or tensor.device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        key = storage._cdata  # the StorageImpl's address
-        if key not in self._refs or self._refs[key].expired():
-            self._refs[key] = StorageWeakRef(storage)
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self._add(value)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return out
-
-
 def _named_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]
                  ) -> dict[str, torch.Tensor]:
     return {f"{names[id(p)]}.{key}": local_tensor(value).detach()
@@ -447,7 +346,8 @@ def _train(sharding: Sharding, model: nn.Module, module: nn.Module, units: tuple
     """Adam steps on (x, y); after each, the full state, the loss and the bytes held."""
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     timeline = MemoryTimeline(rank)
-    peak = StoragePeak()
+    # What the rank holds at the start (the batch aside), then all that the step makes.
+    peak = AllocationTracker()
     peak.track([*model.parameters(), *model.buffers()])
     if isinstance(model, FSDP):  # the full vectors: empty now, regrown by every unshard
         peak.track(unit.full for unit in model.units)

@@ -15,9 +15,9 @@ How the ranks are started (see ``python -m labs.bench launch`` for the numbers):
 * So ranks are forked from a **forkserver**: a single-threaded helper process, started once
   per kernel, that has imported torch and this module but never ran a torch op or touched
   CUDA. Forking from it is cheap and safe from CPU and GPU kernels alike. The function and
-  its arguments travel **by value** (cloudpickle) to the importable entry point
-  :func:`_rank_main`, so functions defined in notebook cells work. The helper stays alive
-  (idle, with no children) between launches; :func:`shutdown` stops it.
+  its arguments travel **by value** (cloudpickle, :mod:`labs.rank_pickle`) to the importable
+  entry point :func:`_rank_main`, so functions defined in notebook cells work. The helper
+  stays alive (idle, with no children) between launches; :func:`shutdown` stops it.
 
 The ranks meet through a ``FileStore`` in the launch's own temporary directory: no fixed
 port, so two launches at once never collide and re-running a cell never meets "address
@@ -25,6 +25,11 @@ already in use" (gloo's own connections use ports the OS assigns). A ``TCPStore`
 the caller was measured first: its server looks up the host name of every rank that connects
 (a reverse DNS query for 127.0.0.1), and where the resolver drops a query a launch stalled
 for 5 s, about one launch in ten here.
+
+What a learner sees when ranks fail or hang, :class:`RankError` and :class:`LaunchTimeout`
+with the first failing rank named and the notebook's cells named as IPython names them, is
+built in :mod:`labs.rank_errors`. The same workers run under torchrun with
+:func:`labs.torchrun.run_torchrun`.
 """
 
 from __future__ import annotations
@@ -32,10 +37,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import faulthandler
-import importlib
-import io
-import linecache
-import marshal
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -49,8 +50,6 @@ import tempfile
 import threading
 import time
 import traceback
-import types
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,9 +57,35 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
+
+from labs.rank_errors import (
+    LaunchTimeout,
+    RankError,
+    RankFailure,
+    first_failure,
+    last_words,
+    name_cells,
+    stuck_stack,
+)
+from labs.rank_pickle import pack_call, pack_result, unpack_call, unpack_result
+
+__all__ = [
+    "MAX_WORLD_SIZE",
+    "Backend",
+    "LaunchTimeout",
+    "RankError",
+    "RankFailure",
+    "RankResults",
+    "StartMethod",
+    "choose_backend",
+    "cpu_cores",
+    "launch",
+    "pick_backend",
+    "rank_device",
+    "shutdown",
+]
 
 #: More ranks than this on one machine is almost surely a typo; use torchrun across nodes.
 MAX_WORLD_SIZE = 32
@@ -77,15 +102,9 @@ _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ran
 #: torch._dynamo: building the first torch.optim optimizer imports it (torch.optim wraps its
 #: methods with dynamo's "disable"), about 1.3 s per rank per launch on 2 cores; preloaded, a
 #: later launch that builds an optimizer takes 0.07 s instead of 1.4 s. It starts no thread,
-#: so forking after it stays safe.
+#: so forking after it stays safe. labs.launcher brings labs.rank_pickle along, which every
+#: rank needs to unpickle its function.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labs.launcher"]
-#: Error texts that mean "a peer went away", not "this rank's code is wrong".
-_PEER_LOST = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-    r"Socket Timeout|Timed out waiting|Connection refused|NCCL communicator was aborted|"
-    r"ProcessGroupNCCL.*(aborted|watchdog)",
-    re.IGNORECASE,
-)
 
 
 class Backend(enum.Enum):
@@ -100,86 +119,6 @@ class StartMethod(enum.Enum):
 
     FORKSERVER = "forkserver"  #: Fork from a helper that preloaded torch (the default).
     SPAWN = "spawn"  #: A fresh interpreter per rank; slower, kept for comparison.
-
-
-class RankError(RuntimeError):
-    """A rank raised (or died). Names the rank whose failure came first, with its traceback.
-
-    Attributes:
-        rank: the rank that failed first.
-        exc_type: the name of its exception class.
-        remote_traceback: the traceback text printed in that rank.
-        secondary: failures of other ranks that only followed from it (a lost peer).
-        failure: the first failure whole (its rank, type, message and traceback).
-    """
-
-    def __init__(self, first: RankFailure, others: Sequence[RankFailure]) -> None:
-        self.failure = first
-        self.rank = first.rank
-        self.exc_type = first.exc_type
-        self.remote_traceback = first.traceback
-        self.secondary = list(others)
-        lines = [
-            f"rank {first.rank} raised {first.exc_type}: {first.message}",
-            "",
-            f"Traceback from rank {first.rank}:",
-            first.traceback.rstrip(),
-        ]
-        if others:
-            names = ", ".join(str(f.rank) for f in others)
-            lines += [
-                "",
-                f"Rank(s) {names} failed afterwards, only because rank {first.rank} stopped "
-                "(their errors are in .secondary).",
-            ]
-        super().__init__("\n".join(lines))
-
-
-class LaunchTimeout(TimeoutError):
-    """Some ranks were still running when the launch's timeout ran out.
-
-    Attributes:
-        ranks: the ranks that never returned (they have been killed).
-        stacks: for each of them, the Python stack it was stuck in, when one could be read.
-    """
-
-    def __init__(self, ranks: list[int], timeout: float, stacks: dict[int, str]) -> None:
-        self.ranks = ranks
-        self.stacks = stacks
-        starting = not stacks or all("_join_group" in s for s in stacks.values())
-        hint = (
-            "They were still starting up (joining the process group): the first launch in a "
-            "kernel also starts the helper that imports torch. Pass a larger timeout=."
-            if starting else
-            "A common cause: one rank skips a collective (all_reduce, barrier, ...) that its "
-            "peers entered, so the peers wait forever. Every rank must make the same "
-            "collective calls in the same order. If the work is just slow, pass a larger "
-            "timeout=."
-        )
-        lines = [
-            f"rank(s) {', '.join(map(str, ranks))} still running after {timeout:g} s; "
-            "they were killed.",
-            hint,
-        ]
-        for rank, stack in stacks.items():
-            lines += ["", f"Where rank {rank} was stuck (most recent call first):", stack]
-        super().__init__("\n".join(lines))
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """What a rank reports when its code raises (or what the launcher notices if it dies)."""
-
-    rank: int
-    exc_type: str
-    message: str
-    traceback: str
-    when: float  #: time.time() at the failure, to order failures across ranks
-
-    @property
-    def peer_lost(self) -> bool:
-        """True when the error says a peer went away rather than this rank's code failing."""
-        return bool(_PEER_LOST.search(self.message) or _PEER_LOST.search(self.traceback))
 
 
 class RankResults(list):
@@ -264,7 +203,7 @@ def launch(
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int (or None for cores / world_size), "
                          f"got {threads!r}.")
-    payload = _serialise(fn, args)
+    payload = pack_call(fn, args)
     started = time.monotonic()
     ctx = mp.get_context(start_method.value)
     if start_method is StartMethod.FORKSERVER:
@@ -294,16 +233,16 @@ def launch(
             _stop(ranks, outcome)
         stdout = [_GLOO_CONNECTED.sub("", _read(spec.stdout_path)) for spec in specs]
         stderr = [_read(spec.stderr_path) for spec in specs]
-        stacks = {r: _stuck_stack(_read(specs[r].stack_path)) for r in range(world_size)}
+        stacks = {r: stuck_stack(_read(specs[r].stack_path)) for r in range(world_size)}
     if echo:
         _echo(stdout, stderr)
     if isinstance(outcome, _Timeout):
-        found = {r: _name_cells(stacks[r]) for r in outcome.ranks if stacks[r]}
+        found = {r: name_cells(stacks[r]) for r in outcome.ranks if stacks[r]}
         raise LaunchTimeout(outcome.ranks, timeout, found)
     if isinstance(outcome, _Failed):
-        raise _first_failure([dataclasses.replace(f, traceback=_name_cells(f.traceback))
+        raise first_failure([dataclasses.replace(f, traceback=name_cells(f.traceback))
                               for f in outcome.failures])
-    results = RankResults(_unpack_result(outcome.values[r]) for r in range(world_size))
+    results = RankResults(unpack_result(outcome.values[r]) for r in range(world_size))
     results.stdout, results.stderr = stdout, stderr
     results.backend, results.seconds = chosen, time.monotonic() - started
     return results
@@ -312,9 +251,9 @@ def launch(
 def rank_device() -> torch.device:
     """Where this rank's tensors belong: its own GPU under nccl, the CPU under gloo.
 
-    Call it inside a worker. :func:`launch` (``cuda:rank``) and :func:`run_torchrun`
-    (``cuda:LOCAL_RANK``) have already made that GPU the current device, so a worker never
-    needs RANK or LOCAL_RANK to find it."""
+    Call it inside a worker. :func:`launch` (``cuda:rank``) and
+    :func:`labs.torchrun.run_torchrun` (``cuda:LOCAL_RANK``) have already made that GPU the
+    current device, so a worker never needs RANK or LOCAL_RANK to find it."""
     if dist.is_initialized() and dist.get_backend() == Backend.NCCL.value:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -365,12 +304,12 @@ def _check_inputs(
         raise ValueError("timeout must be finite: a hung rank would otherwise hang the notebook.")
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it.")
-    return _choose_backend(backend, world_size)
+    return choose_backend(backend, world_size)
 
 
-def _choose_backend(backend: object, world_size: int, *, ranks: str = "world_size") -> Backend:
-    """The backend for ``world_size`` ranks on this machine (``ranks`` names that number in
-    the error message)."""
+def choose_backend(backend: object, world_size: int, *, ranks: str = "world_size") -> Backend:
+    """The backend for ``world_size`` ranks on this machine, from the GPUs it has (``ranks``
+    names that number in the error message): :func:`pick_backend` decides."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pick_backend(backend, world_size, gpus, dist.is_nccl_available(), ranks=ranks)
 
@@ -400,84 +339,6 @@ def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bo
     return Backend(backend)
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with two changes to how things travel to the ranks.
-
-    * **Code objects keep where they were written.** A function defined in a notebook cell
-      travels by value; the rank's traceback should still show the learner's lines and where
-      they are. cloudpickle 3.1.3 and later rename the file of every code object it sends to
-      ``<dynamic-code>`` (so that its pickles do not depend on where a function was defined),
-      which drops both. Here a code object travels as :mod:`marshal` writes it for ``.pyc``
-      files: exact, file name and line table included, and the ranks run the same interpreter.
-      A cell's lines are not in any file, only in the kernel's :mod:`linecache`; they travel
-      with the code (:func:`_load_code` puts them in the rank's linecache).
-    * **Modules of a ``types.ModuleType`` subclass are sent as imports.** A function that
-      travels by value takes along, as imports, the submodules of its global modules that
-      share a name with an attribute it reads: a worker that uses ``torch`` and reads
-      ``spec.ops`` ships ``torch.ops``. cloudpickle sends a plain module as an import but
-      tries to pickle a subclass instance (``torch.ops`` is a ``torch._ops._Ops``) field by
-      field, and fails. Such a module is imported again by the rank, as any other module is.
-    """
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.CodeType):
-            try:
-                code = marshal.dumps(obj)
-            except ValueError:  # a constant marshal cannot write: cloudpickle's own way
-                return super().reducer_override(obj)
-            return _load_code, (code, obj.co_filename, _unfiled_lines(obj.co_filename))
-        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
-                and sys.modules.get(obj.__name__) is obj):
-            return importlib.import_module, (obj.__name__,)
-        return super().reducer_override(obj)
-
-
-def _unfiled_lines(filename: str) -> list[str] | None:
-    """The source lines of code that is in no file a rank could read (a notebook cell, which
-    IPython keeps in :mod:`linecache` only); None for code written in a file."""
-    if not filename or os.path.exists(filename):
-        return None
-    entry = linecache.cache.get(filename)
-    return entry[2] if entry is not None else None  # one list: pickled once per launch
-
-
-def _load_code(code: bytes, filename: str, lines: list[str] | None) -> types.CodeType:
-    """A code object sent by :class:`_Pickler`, its lines registered where tracebacks look."""
-    if lines is not None and filename not in linecache.cache:
-        # mtime None: linecache.checkcache never drops an entry that has no file.
-        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-    return marshal.loads(code)
-
-
-def _dumps(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
-    return buffer.getvalue()
-
-
-def _serialise(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
-    try:
-        return _dumps((fn, tuple(args)))
-    except Exception as exc:  # noqa: BLE001 - any failure to pickle is reported the same way
-        cause = exc
-    problem = f"{type(cause).__name__}: {cause}"
-    try:  # which one could not travel: the function (and what it refers to) or an argument
-        _dumps(fn)
-    except Exception:  # noqa: BLE001 - any failure to pickle is reported the same way
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise TypeError(
-            f"could not send fn {name} to the ranks ({problem}). A function defined in a "
-            "notebook or script travels by value, with the globals and closure variables it "
-            "uses: define open files, locks, sockets and other such objects inside fn, or "
-            "import it from a module."
-        ) from cause
-    raise TypeError(
-        f"could not send args to the ranks ({problem}). Arguments must be picklable: pass "
-        "plain values, tensors or dataclasses, and create open files, locks or sockets "
-        "inside fn instead."
-    ) from cause
-
-
 def cpu_cores() -> int:
     """The CPU cores this process may run on (its affinity mask where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -494,7 +355,9 @@ def _threads_per_rank(world_size: int) -> int:
 
 
 def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
-    """Entry point of every rank process (importable, so forkserver and spawn can find it)."""
+    """Entry point of every rank process (importable, so forkserver and spawn can find it).
+    :mod:`labs.rank_errors` cuts a rank's stacks at this function's name, and at
+    :func:`_watch_launcher`'s and :func:`_join_group`'s."""
     os.setpgrp()  # its own process group, so the launcher can kill it and anything it started
     _redirect_output(spec)
     stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - open for the rank's whole life
@@ -507,10 +370,10 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
     threading.Thread(target=_watch_launcher, args=(conn, released), daemon=True).start()
     try:
         torch.set_num_threads(spec.threads)
-        fn, args = cloudpickle.loads(payload)
+        fn, args = unpack_call(payload)
         _join_group(spec)
         value = fn(spec.rank, spec.world_size, *args)
-        message: tuple[str, Any] = ("ok", _pack_result(value))
+        message: tuple[str, Any] = ("ok", pack_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit too, goes back
         message = ("error", _failure(spec.rank, exc))
     sys.stdout.flush()
@@ -577,45 +440,6 @@ def _failure(rank: int, exc: BaseException) -> RankFailure:
         rank=rank, exc_type=type(exc).__name__, message=str(exc), traceback=text,
         when=time.time(),
     )
-
-
-def _pack_result(value: Any) -> bytes:
-    try:
-        return cloudpickle.dumps(_to_cpu(value))
-    except Exception as exc:
-        raise TypeError(
-            f"fn returned a {type(value).__name__} that cannot be sent back to the notebook "
-            f"({type(exc).__name__}: {exc}). Return tensors, numbers, strings, lists, dicts or "
-            "dataclasses of those."
-        ) from exc
-
-
-def _unpack_result(payload: bytes) -> Any:
-    """A rank's return value from :func:`_pack_result`'s bytes. torch 2.4 and 2.5 unpickle a
-    tensor's storage with ``torch.load(weights_only=False)`` and warn about untrusted pickles
-    on the first one; these bytes come from this launch's own ranks, and the warning would
-    land in every notebook that shows a tensor a rank returned."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"You are using `torch.load` with "
-                                "`weights_only=False`", category=FutureWarning)
-        return cloudpickle.loads(payload)
-
-
-def _to_cpu(value: Any) -> Any:
-    """Tensors come back to the notebook on the CPU (never initialise CUDA in the kernel)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_to_cpu(v) for v in value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value)
-                  if f.init}
-        return dataclasses.replace(value, **fields)
-    return value
 
 
 # --- the launcher side ----------------------------------------------------------------------
@@ -711,7 +535,7 @@ def _died(r: _Rank) -> RankFailure:
     if code == 1 and getattr(sys.modules.get("__main__"), "__file__", None):
         hint = (" If the script calls launch() at module level, put the call under "
                 "`if __name__ == \"__main__\":` (every rank imports the main script first).")
-    last = _last_words(_read(r.spec.stderr_path))
+    last = last_words(_read(r.spec.stderr_path))
     said = f"\nWhat it wrote last (stderr):\n{last}" if last else ""
     return RankFailure(
         rank=r.spec.rank, exc_type="RankDied",
@@ -720,48 +544,6 @@ def _died(r: _Rank) -> RankFailure:
         f"sys.exit in C code or a crash.{hint}){said}",
         when=time.time(),
     )
-
-
-#: Lines of a dead rank's stderr that its RankError shows.
-_LAST_LINES = 25
-
-
-def _last_words(stderr: str) -> str:
-    """The end of a dead rank's stderr: a C++ library's last message (``terminate called
-    after throwing ...``) and faulthandler's Python stack of the crash, without the frames of
-    the launcher below the worker."""
-    lines = [line for line in stderr.rstrip().splitlines() if line.strip()]
-    # faulthandler lists the innermost frame first: in its dump, what follows the launcher's
-    # own frame (process start-up, the list of extension modules) is not the learner's.
-    dump = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")),
-               default=len(lines))
-    cut = next((i for i in range(dump, len(lines)) if "in _rank_main" in lines[i]), len(lines))
-    lines = lines[:cut]
-    return "\n".join(f"    {line}" for line in lines[-_LAST_LINES:])
-
-
-def _name_cells(text: str) -> str:
-    """Name the notebook cells in a rank's traceback or stack as IPython names them in its
-    own tracebacks (``Cell In[5], line 3``) instead of by the file the kernel made up for the
-    cell (``File "/tmp/ipykernel_4242/3141.py", line 3``). Outside a kernel, unchanged."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if name_of is None:
-        return text
-
-    def cell(match: re.Match[str]) -> str:
-        named = name_of(match.group(1))
-        return f"{named[0]} {named[1]}, line" if named else match.group(0)
-
-    return re.sub(r'File "([^"]+)", line', cell, text)
-
-
-def _first_failure(failures: list[RankFailure]) -> RankError:
-    # The cause is the earliest failure that is not just "my peer went away".
-    causes = [f for f in failures if not f.peer_lost] or failures
-    first = min(causes, key=lambda f: f.when)
-    return RankError(first, sorted((f for f in failures if f is not first), key=lambda f: f.rank))
 
 
 def _stop(ranks: list[_Rank], outcome: _Done | _Failed | _Timeout | None) -> None:
@@ -810,20 +592,6 @@ def _read(path: str) -> str:
         return ""
 
 
-def _stuck_stack(dump: str) -> str:
-    """The learner's frames from a faulthandler dump: the launcher's watcher thread and the
-    process start-up frames below ``_rank_main`` are dropped."""
-    blocks = re.split(r"\n\s*\n", dump.strip())
-    stacks = []
-    for block in blocks:
-        if "_watch_launcher" in block:
-            continue
-        frames = [line for line in block.splitlines() if line.startswith("  File")]
-        cut = next((i for i, line in enumerate(frames) if "in _rank_main" in line), len(frames))
-        stacks.append("\n".join(frames[:cut]))
-    return "\n".join(s for s in stacks if s)
-
-
 def _echo(stdout: list[str], stderr: list[str]) -> None:
     """Show what each rank printed, in rank order (deterministic, unlike live interleaving)."""
     for rank, text in enumerate(stdout):
@@ -834,68 +602,3 @@ def _echo(stdout: list[str], stderr: list[str]) -> None:
             print(f"[rank {rank}] {line}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-
-
-# --- the same workers under torchrun -----------------------------------------------------------
-
-
-def under_torchrun() -> bool:
-    """True in a process started by torchrun (it sets RANK, LOCAL_RANK and WORLD_SIZE)."""
-    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-
-
-def run_torchrun(
-    fn: Callable[..., Any], args: Sequence[Any] = (), backend: str = "auto"
-) -> list[Any] | None:
-    """Run ``fn(rank, world_size, *args)`` in a process that torchrun started.
-
-    The process group uses torchrun's env:// rendezvous (MASTER_ADDR, MASTER_PORT), so it
-    spans every node. Under nccl each process uses ``cuda:LOCAL_RANK``: LOCAL_RANK, not
-    RANK, because rank 4 on the second node of a 2x4 job owns that node's GPU 0. Rank 0
-    gets every rank's return value (gathered, in rank order); other ranks get None.
-    """
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    # Decided from LOCAL_WORLD_SIZE, which every process of this node shares: deciding from
-    # LOCAL_RANK would give nccl to the first processes and gloo to the rest, and hang.
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    chosen = _choose_backend(backend, local_world_size, ranks="LOCAL_WORLD_SIZE")
-    if chosen is Backend.NCCL:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(chosen.value)
-    device = torch.device("cuda", local_rank) if chosen is Backend.NCCL else torch.device("cpu")
-    in_flight: list[torch.Tensor] = []
-    try:
-        payload = _pack_result(fn(rank, world_size, *args))
-        payloads, in_flight = _gather_bytes(payload, rank, world_size, device)
-    finally:
-        dist.destroy_process_group()
-    del in_flight  # only now that the group's threads have stopped (see _gather_bytes)
-    return None if payloads is None else [_unpack_result(p) for p in payloads]
-
-
-def _gather_bytes(payload: bytes, rank: int, world_size: int, device: torch.device,
-                  ) -> tuple[list[bytes] | None, list[torch.Tensor]]:
-    """Every rank's ``payload`` on rank 0 (None on the others), and the tensors that carried
-    them, which the caller must keep until the process group is destroyed.
-
-    It is ``dist.gather_object`` but for those tensors. On torch 2.4 gloo's worker thread lets
-    go of a collective's tensors a moment after the caller's wait returns. If its reference is
-    the last, freeing a tensor needs the GIL, which the main thread holds while
-    ``destroy_process_group`` waits for that thread to stop: the rank hangs for ever (seen
-    under torchrun in 2 runs of 10: the main thread in ``~ProcessGroupGloo``, the worker in
-    ``~AsyncGatherWork``). Kept here, the tensors outlive the worker's reference."""
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    lengths = [int(s.item()) for s in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data.to(device)
-    received = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
-    dist.gather(padded, received, dst=0)
-    in_flight = [size, *sizes, padded, *(received or [])]
-    if received is None:
-        return None, in_flight
-    payloads = [t[:n].cpu().numpy().tobytes() for t, n in zip(received, lengths, strict=True)]
-    return payloads, in_flight

@@ -13,11 +13,12 @@ more) drops out of the count by itself: "freed" is observed, not declared. And i
 storage's size at the moment of the snapshot, so a storage shrunk in place with
 ``untyped_storage().resize_(0)`` (as PyTorch FSDP frees unsharded parameters) counts as empty.
 
-:class:`AllocationTracker` measures what a region of code allocates on top of that: every
+:class:`AllocationTracker` measures what a region of code holds on top of that: every
 storage that a PyTorch operator creates inside the ``with`` block (``torch.empty``, ``clone``,
-``torch.add(...)`` without ``out=``, ...), checked after every operator, so its
-``peak_bytes`` is the largest total of those new storages alive at once. That is how the
-temporary buffers *inside* a collective are seen without opening it up.
+``torch.add(...)`` without ``out=``, ...), and optionally tensors that existed before it, at
+their size after every operator, so its ``peak_bytes`` is the largest total alive at once.
+That is how the temporary buffers *inside* a collective are seen without opening it up, and
+how the peak of a whole FSDP training step is measured.
 
 What is not counted: the caching allocator's reserve, memory that a kernel or the
 communication library (gloo's or NCCL's own buffers) allocates without making a tensor,
@@ -30,13 +31,15 @@ on; no CUDA function is called for CPU tensors.
 
 Cost: a snapshot is O(number of registered tensors). The tracker runs a little Python after
 every operator inside its block, which is fine for the small tensors of the notebooks but not
-something to leave on in a training loop.
+something to leave on in a training loop. Tables and figures of the snapshots are in
+:mod:`labs.viz.memory`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,12 +51,9 @@ from torch.utils._pytree import tree_flatten
 
 from labs.collectives import Algorithm, Collective, all_gather, reduce_scatter, shard_bounds
 from labs.launcher import rank_device
-from labs.tables import format_table
 
-if TYPE_CHECKING:  # matplotlib is imported only where a figure is drawn (ranks import this)
-    from matplotlib.figure import Figure
-
-    from labs.checks import CheckResult
+if TYPE_CHECKING:
+    from labs.checks.core import CheckResult
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -283,26 +283,60 @@ class MemoryTimeline:
         return snap
 
 
-# --- allocations inside a region --------------------------------------------------------------
+# --- what a region of code holds -------------------------------------------------------------
+
+#: Where ``DTensor`` lives, newest first (torch.distributed._tensor in 2.4).
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor. Looked up in ``sys.modules``: no tensor can be one
+    unless the process imported DTensor, so counting a plain model never pays for the import
+    (about a second on 2 cores)."""
+    for name in _DTENSOR_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return isinstance(tensor, module.DTensor)
+    return False
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank holds: a DTensor's local shard, anything else as is.
+
+    ``DTensor._local_tensor`` rather than ``.to_local()``: the latter is an autograd op (a view
+    of the same storage), which must not run inside a dispatch mode (:class:`AllocationTracker`).
+    """
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
 
 
 class AllocationTracker(TorchDispatchMode):
-    """Measures the storages that PyTorch operators create inside a ``with`` block::
+    """The tensor storages a region of code holds: those that PyTorch operators create inside
+    the ``with`` block, and those of the tensors given to :meth:`track`::
 
         with AllocationTracker() as during:
             shard = reduce_scatter(gradient)
-        during.peak_bytes    # most bytes of new storages alive at once
-        during.live_bytes    # of those, still alive now (here: the shard)
+        during.peak_bytes    # most bytes of those storages alive at once
+        during.live_bytes    # of those, alive now at their present size (here: the shard)
+        during.allocations   # what was made: which operator, how many bytes
 
-    After every operator the tracker notes the storages of its outputs that are neither an
-    input's storage (views and in-place results are not allocations) nor already known, and
-    drops those whose tensors have all been freed. The peak is therefore exact at operator
-    boundaries; memory used and released *within* one kernel, and buffers a communication
-    library allocates without creating a tensor, are not seen. Only the thread that enters
-    the block is observed. A storage's size is read once, when it is created: a storage
-    that is later ``resize_``-d (as FSDP frees and regrows its full parameters) and a DTensor
-    (whose wrapper reports the global size) are not measured right;
-    :class:`labs.fsdp_torch.StoragePeak` measures those.
+    After every operator the tracker adds the storages of its outputs that it does not know
+    yet, except an input's storage (a view or an in-place result allocates nothing; the one
+    exception is ``lift_fresh``, by which ``torch.tensor(data)`` hands over the storage it
+    has just filled), then reads the size of every storage it knows *again* and forgets those
+    whose tensors have all been freed. So the peak is exact at operator boundaries, and a
+    storage shrunk with ``untyped_storage().resize_(0)`` (as FSDP frees full parameters) and
+    regrown for the next all-gather is seen at both sizes. A DTensor counts as its local
+    shard (the DTensor itself is a wrapper whose own storage has the global size and holds no
+    data). With the tensors held at the start given to :meth:`track` (parameters, buffers),
+    the peak is of all that the block holds but the untracked tensors it was handed (a
+    batch): :mod:`labs.fsdp_torch` measures a training step so.
+
+    Only weak references are kept: the tracker never keeps a tensor alive, and
+    :attr:`live_bytes` can be read after the block, while gloo's threads let go of a finished
+    collective's tensors. It may be entered again (once per step, say); :meth:`reset_peak`
+    starts a new peak. Not seen: memory used and released within one operator, buffers that
+    gloo or NCCL allocate without making a tensor, and operators of other threads than the one
+    that entered the block (CPU autograd runs backward on it).
     """
 
     @classmethod
@@ -314,40 +348,72 @@ class AllocationTracker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._refs: dict[int, StorageWeakRef] = {}  # by the StorageImpl's address
         self.peak_bytes = 0
-        #: every new storage in the order it was made: which operator, how many bytes
+        #: every storage made in the block, in order: which operator, how many bytes then
         self.allocations: list[Allocation] = []
 
     @property
     def allocated_bytes(self) -> int:
-        """Total bytes of all new storages, freed ones included."""
+        """Total bytes of all storages made in the block, freed ones included."""
         return sum(a.nbytes for a in self.allocations)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the counted storages that are alive now, at their present size (0 for a
+        storage shrunk with ``resize_(0)``), also after the block."""
+        total = 0
+        for key, ref in list(self._refs.items()):
+            # A strong reference for this line only; None once every tensor on it is gone.
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:
+                del self._refs[key]
+            else:
+                total += storage.nbytes()
+        return total
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count these tensors' storages too, from now on, while they are alive."""
+        for tensor in map(local_tensor, tensors):
+            if _countable(tensor) and _key(tensor) not in self._refs:
+                self._refs[_key(tensor)] = StorageWeakRef(tensor.untyped_storage())
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def untrack(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Stop counting these tensors' storages (say, the result the caller keeps)."""
+        for tensor in map(local_tensor, tensors):
+            if _countable(tensor):
+                self._refs.pop(_key(tensor), None)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak_bytes = self.live_bytes
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None,
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if _countable(t)}
-        for tensor in tree_flatten(out)[0]:
-            if not _countable(tensor):
+        inputs = {_key(t) for t in map(local_tensor, _tensors((args, kwargs))) if _countable(t)}
+        for tensor in map(local_tensor, _tensors(out)):
+            key = _key(tensor) if _countable(tensor) else None
+            if key is None or key in self._refs or (key in inputs and func is not _LIFT_FRESH):
                 continue
             storage = tensor.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()  # _cdata: the StorageImpl's address
-            if key in inputs or key in self._live or nbytes == 0:
-                continue
-            self._live[key] = (StorageWeakRef(storage), nbytes)
-            self.allocations.append(Allocation(_op_name(func), nbytes))
+            self._refs[key] = StorageWeakRef(storage)
+            if storage.nbytes():  # an empty storage is watched (it may grow), not listed
+                self.allocations.append(Allocation(_op_name(func), storage.nbytes()))
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
 
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of the storages created in the block that are still alive."""
-        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
-            del self._live[key]
-        return sum(nbytes for _, nbytes in self._live.values())
+
+#: ``torch.tensor(data)`` fills a new storage outside the dispatcher, then passes it through
+#: this operator: its output is its input, and yet made in the block.
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
+    return (t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
 def _op_name(func: Any) -> str:
@@ -356,13 +422,12 @@ def _op_name(func: Any) -> str:
     return getattr(overload, "__name__", str(func))
 
 
-def _countable(obj: object) -> bool:
-    return (isinstance(obj, torch.Tensor) and obj.layout is torch.strided
-            and obj.device.type != "meta")
+def _countable(tensor: torch.Tensor) -> bool:
+    return tensor.layout is torch.strided and tensor.device.type != "meta"
 
 
 def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    return tensor.untyped_storage()._cdata  # the StorageImpl's address
 
 
 # --- the experiments of chapters 3 and 4 ------------------------------------------------------
@@ -481,7 +546,7 @@ def check_held_bytes(
     ``measured`` maps a world size N to the per-rank snapshots of one launch. The verdict
     names the first world size and rank where the measurement and the claim disagree.
     """
-    from labs.checks import CheckResult
+    from labs.checks.core import CheckResult
 
     for world_size, per_rank in sorted(measured.items()):
         if len(per_rank) != world_size:
@@ -495,103 +560,3 @@ def check_held_bytes(
                 ))
     sizes = ", ".join(str(n) for n in sorted(measured))
     return CheckResult(claim, True, f"measured on every rank for N = {sizes}.")
-
-
-# --- tables and figures -----------------------------------------------------------------------
-
-
-def memory_table(per_rank: Sequence[Sequence[MemorySnapshot]], ranks: Sequence[int] = (0,),
-                 ) -> str:
-    """A text table of the snapshots of the given ranks: elements and bytes per group,
-    transient bytes and the total."""
-    groups = _groups(per_rank)
-    header = ["rank", "moment", *(f"{g} (elements)" for g in groups), "held bytes",
-              "allocated during (peak bytes)", "total bytes"]
-    rows = []
-    for rank in ranks:
-        for snap in per_rank[rank]:
-            elements = snap.elements_by_group()
-            rows.append([rank, snap.moment, *(elements.get(g, "") for g in groups),
-                         snap.held_bytes, snap.transient_bytes or "", snap.total_bytes])
-    return format_table(header, rows)
-
-
-def describe_allocations(allocations: Sequence[Allocation]) -> str:
-    """``"empty 840 B x2, clone 840 B"``: the storages a tracker saw, grouped by operator and
-    size in the order each kind first appeared."""
-    counts: dict[tuple[str, int], int] = {}
-    for a in allocations:
-        counts[(a.op, a.nbytes)] = counts.get((a.op, a.nbytes), 0) + 1
-    if not counts:
-        return "nothing"
-    return ", ".join(f"{op} {nbytes} B" + (f" x{k}" if k > 1 else "")
-                     for (op, nbytes), k in counts.items())
-
-
-def _groups(per_rank: Sequence[Sequence[MemorySnapshot]]) -> list[str]:
-    groups: list[str] = []
-    for snaps in per_rank:
-        for snap in snaps:
-            for t in snap.tensors:
-                if t.group not in groups:
-                    groups.append(t.group)
-    return groups
-
-
-def _unit(nbytes: float) -> tuple[float, str]:
-    for scale, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if nbytes >= scale:
-            return float(scale), name
-    return 1.0, "bytes"
-
-
-def plot_memory_timeline(per_rank: Sequence[Sequence[MemorySnapshot]], *, title: str = "",
-                         ) -> Figure:
-    """Bars per moment and rank (rank 0 leftmost), stacked by registration group, with a
-    moment's transient peak (from an :class:`AllocationTracker`) hatched on top. Every rank
-    must have recorded the same moments."""
-    import matplotlib.pyplot as plt
-
-    if not per_rank or not per_rank[0]:
-        raise ValueError("nothing to plot: pass one sequence of snapshots per rank")
-    moments = [s.moment for s in per_rank[0]]
-    for rank, snaps in enumerate(per_rank):
-        if [s.moment for s in snaps] != moments:
-            raise ValueError(f"rank {rank} recorded other moments than rank 0; plot each "
-                             "rank's timeline separately")
-    groups = _groups(per_rank)
-    colours = {g: plt.get_cmap("tab10")(i % 10) for i, g in enumerate(groups)}
-    scale, unit = _unit(max(s.total_bytes for snaps in per_rank for s in snaps))
-    width = 0.8 / len(per_rank)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.7 * len(moments)), 3.6), layout="constrained")
-    labelled: set[str] = set()
-
-    def bar(x: float, bottom: float, height: float, label: str, **style: object) -> None:
-        ax.bar(x, height / scale, width * 0.92, bottom=bottom / scale, linewidth=0.6,
-               label=None if label in labelled else label, **style)
-        labelled.add(label)
-
-    for m in range(len(moments)):
-        for rank, snaps in enumerate(per_rank):
-            x, bottom = m - 0.4 + width * (rank + 0.5), 0.0
-            by_group = snaps[m].bytes_by_group()
-            for group in groups:
-                if by_group.get(group):
-                    bar(x, bottom, by_group[group], group, color=colours[group],
-                        edgecolor="black")
-                    bottom += by_group[group]
-            if snaps[m].transient_bytes:
-                bar(x, bottom, snaps[m].transient_bytes, "allocated during (peak)",
-                    color="white", edgecolor="gray", hatch="//")
-    ax.set_xticks(range(len(moments)), [m.replace(" ", "\n", 1) for m in moments],
-                  fontsize="small")
-    n = len(per_rank)
-    ax.set(ylabel=f"tensor storage held ({unit})",
-           title=title or f"Per-rank memory, {n} rank{'s' if n > 1 else ''} (one bar each)")
-    handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: (labels[i] not in groups,
-                                                      groups.index(labels[i])
-                                                      if labels[i] in groups else 0))
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small",
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    return fig

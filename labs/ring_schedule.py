@@ -48,9 +48,9 @@ class RingBuffers:
     **The schedule.** Every call also works out which segment goes where, in what order, and
     when to wait for what (:func:`compile_pipelined`), and that is Python work, a visible
     share of a 1 MiB call between 2 ranks on a small machine (chapter 2 measures it with
-    :func:`labs.experiments.measure_planning`). The last schedule is kept here and run again
-    as long as the calls are the same: the same tensor memory, size and dtype, group, segment
-    and window. Plan once, run many times.
+    :func:`labs.experiments.collectives.measure_planning`). The last schedule is kept here and
+    run again as long as the calls are the same: the same tensor memory, size and dtype, group,
+    segment and window. Plan once, run many times.
 
     A caller that all-reduces many times, as a training loop does and as the benchmark does,
     passes one ``RingBuffers``. The kept schedule holds views of the last tensor served, so

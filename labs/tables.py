@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from labs.p2p import Phase
 
 if TYPE_CHECKING:
-    from labs.experiments import AgreementRow, TrafficRow
+    from labs.experiments.collectives import AgreementRow, TrafficRow
     from labs.p2p import RingStep
     from labs.toy_allreduce import ToyRankRecord
 

@@ -1,7 +1,8 @@
 """Chapter 5's lab: train a small transformer language model with data parallelism.
 
 Every rank builds the same model, takes its own share of the data through a
-``DistributedSampler`` and averages gradients with one of three wrappers (:class:`Wrapper`).
+``DistributedSampler`` and averages gradients with one of three wrappers
+(:data:`labs.wrappers.DDP_WRAPPERS`).
 One optimizer step on N ranks with a local batch of B windows of T characters, accumulated
 over k micro-batches, sees N * k * B * T tokens and costs one gradient all-reduce per bucket
 (2(N-1)/N * S bytes per rank for S bytes of gradients, chapter 2), whatever k is: the first
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import itertools
 import math
 import os
@@ -33,9 +33,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP
-from labs.ddp_experiments import Implementation, wrap
 from labs.launcher import rank_device
 from labs.toy_allreduce import EXAMPLE_SENTENCES
+from labs.wrappers import DDP_WRAPPERS, Wrapper, wrap
 
 #: The training text: the seed sentences, one per line (the newline marks where one ends).
 TEXT: str = "".join(sentence + "\n" for sentence in EXAMPLE_SENTENCES)
@@ -136,17 +136,6 @@ class TinyTransformer(nn.Module):
 # --- settings and results -----------------------------------------------------------------------
 
 
-class Wrapper(enum.Enum):
-    """Which data-parallel wrapper averages the gradients."""
-
-    NAIVE = "naive"
-    """:class:`labs.ddp.NaiveDDP`: one blocking all-reduce per parameter after backward."""
-    OURS = "ours"
-    """:class:`labs.ddp.DDP`: buckets, all-reduced asynchronously during backward."""
-    TORCH = "torch"
-    """``torch.nn.parallel.DistributedDataParallel``: the same idea in C++."""
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Settings of one training run (the CLI ``python -m labs ddp`` parses into one).
@@ -159,7 +148,7 @@ class TrainConfig:
         seed: model initialisation and the sampler's shuffling.
         d_model, n_heads, n_layers, seq_len: model size; ``seq_len`` is the window length.
         wrapper: the data-parallel wrapper.
-        bucket_cap_mb: bucket size for OURS and TORCH, in MiB.
+        bucket_cap_mb: bucket size of Wrapper.DDP and Wrapper.TORCH_DDP, in MiB.
         checkpoint: file to save to (and resume from), or None for no checkpoints.
         checkpoint_every: also save every this many steps; None saves at the end only.
         resume: start from ``checkpoint`` (it must exist) instead of from scratch.
@@ -174,7 +163,7 @@ class TrainConfig:
     n_heads: int = 2
     n_layers: int = 2
     seq_len: int = 16
-    wrapper: Wrapper = Wrapper.OURS
+    wrapper: Wrapper = Wrapper.DDP
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     checkpoint: str | None = None
     checkpoint_every: int | None = None
@@ -194,9 +183,9 @@ class TrainConfig:
         if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be positive (MiB), got {self.bucket_cap_mb!r}; "
                              f"torch's default is {DEFAULT_BUCKET_CAP_MB}.")
-        if not isinstance(self.wrapper, Wrapper):
-            raise ValueError(f"wrapper must be one of {[w.name for w in Wrapper]} (a Wrapper), "
-                             f"got {self.wrapper!r}.")
+        if self.wrapper not in DDP_WRAPPERS:
+            raise ValueError(f"wrapper must be one of {[f'Wrapper.{w.name}' for w in DDP_WRAPPERS]}"
+                             f", got {self.wrapper!r}.")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be at least 1 step, got "
                              f"{self.checkpoint_every}; leave it out to save at the end only.")
@@ -297,7 +286,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     start_step = 0
     if config.resume:
         start_step = _load_checkpoint(config, model, optimizer, device, world_size)
-    ddp = wrap(Implementation[config.wrapper.name], model, config.bucket_cap_mb)
+    ddp = wrap(config.wrapper, model, config.bucket_cap_mb)
     # labs' wrappers synchronise in finish_gradient_synchronization(); torch's inside backward.
     ours = isinstance(ddp, (NaiveDDP, DDP))
     batches = micro_batches(config, rank, world_size, start_step)

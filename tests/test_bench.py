@@ -1,6 +1,7 @@
-"""labs.timing and labs.bench_collectives: the collectives timing worker on real ranks, its
-correctness verdict, and the ``python -m labs.bench collectives`` command line (flags refused
-before any process starts, tiny sweeps that write CSV, JSON and a PNG)."""
+"""labs.experiments.timing, labs.experiments.sweep and labs.bench.collectives: the collectives
+timing worker on real ranks, its correctness verdict, and the ``python -m labs.bench
+collectives`` command line (flags refused before any process starts, tiny sweeps that write
+CSV, JSON and a PNG)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from labs import __main__ as labs_cli
-from labs import bench, bench_collectives, timing
-from labs.bench_collectives import DEFAULT_OUT, SweepSettings, read_timings
+from labs import bench
+from labs.bench.collectives import DEFAULT_OUT
 from labs.collectives import (
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_WINDOW,
@@ -28,7 +29,9 @@ from labs.collectives import (
     Collective,
     shard_bounds,
 )
-from labs.timing import (
+from labs.experiments import sweep, timing
+from labs.experiments.sweep import SweepSettings, read_timings
+from labs.experiments.timing import (
     CollectiveCase,
     CollectiveTiming,
     Statistic,
@@ -312,7 +315,7 @@ def test_cli_default_output_path():
 def test_launches_and_threads_must_be_positive_ints(field) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"--{field}"):
-            bench_collectives.SweepSettings(**{field: bad})
+            sweep.SweepSettings(**{field: bad})
 
 
 @pytest.mark.parametrize(("size", "iters", "min_bytes", "calls"), [
@@ -344,31 +347,31 @@ def test_small_sizes_get_more_calls_in_every_launch_and_the_table_says_so():
                              algorithms=(Algorithm.RING, Algorithm.TORCH),
                              sizes=(4 << 10, 64 << 10), world_sizes=(2,), iters=2,
                              min_bytes=256 << 10, launches=2)
-    timings = bench_collectives.run_sweep(settings)
+    timings = sweep.run_sweep(settings)
     calls = {(t.case.algorithm, t.case.size_bytes): len(t.all_seconds) for t in timings}
     assert calls == {(Algorithm.RING, 4 << 10): 128, (Algorithm.TORCH, 4 << 10): 128,
                      (Algorithm.RING, 64 << 10): 8, (Algorithm.TORCH, 64 << 10): 8}
     assert all(t.correct and len(t.launch_medians()) == 2 for t in timings)
     assert "median of 8 to 128 iterations, the most at the smallest size" in (
-        bench_collectives.sweep_tables(timings))
+        sweep.sweep_tables(timings))
 
 
 def test_pooled_launches_keep_every_iteration_and_any_wrong_result() -> None:
     case = CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 1 << 10)
     first = CollectiveTiming(case, 2, "gloo", 2.0, (1.0, 2.0, 3.0), True)
     second = CollectiveTiming(case, 2, "gloo", 20.0, (10.0, 20.0, 30.0), False)
-    pooled = bench_collectives._pool([first, second])
+    pooled = sweep._pool([first, second])
     assert pooled.all_seconds == (1.0, 2.0, 3.0, 10.0, 20.0, 30.0)
     assert pooled.seconds == 6.5  # the median of all six, not of the two medians
     assert not pooled.correct
-    assert bench_collectives._pool([first, first]).correct
+    assert sweep._pool([first, first]).correct
     assert pooled.launches == 2 and pooled.launch_medians() == [2.0, 20.0]
 
 
 def _pooled(algorithm: Algorithm, per_launch: list[tuple[float, ...]]) -> CollectiveTiming:
     case = CollectiveCase(Collective.ALL_REDUCE, algorithm, 1 << 20)
     runs = [CollectiveTiming(case, 2, "gloo", statistics.median(t), t, True) for t in per_launch]
-    return bench_collectives._pool(runs)
+    return sweep._pool(runs)
 
 
 def test_ratio_table_shows_each_launch_range() -> None:
@@ -377,16 +380,16 @@ def test_ratio_table_shows_each_launch_range() -> None:
     (2, 2, 2, 0.5, 0.5, 0.5: 1.25)."""
     ring = _pooled(Algorithm.RING, [(1.0, 1.0, 1.0), (4.0, 4.0, 4.0)])
     torch_ = _pooled(Algorithm.TORCH, [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)])
-    assert bench_collectives.call_ratios(ring, torch_) == [2.0, 2.0, 2.0, 0.5, 0.5, 0.5]
-    assert bench_collectives.launch_ratios(ring, [ring, torch_]) == [2.0, 0.5]
-    table = bench_collectives.ring_vs_torch_table([ring, torch_])
+    assert sweep.call_ratios(ring, torch_) == [2.0, 2.0, 2.0, 0.5, 0.5, 0.5]
+    assert sweep.launch_ratios(ring, [ring, torch_]) == [2.0, 0.5]
+    table = sweep.ring_vs_torch_table([ring, torch_])
     assert "1.25 (0.50-2.00)" in table.splitlines()[-1]
-    assert "lowest and highest" in bench_collectives.sweep_tables([ring, torch_])
+    assert "lowest and highest" in sweep.sweep_tables([ring, torch_])
     # one launch: a plain ratio, no bracket
     single = [CollectiveTiming(ring.case, 2, "gloo", 1.0, (1.0,), True),
               CollectiveTiming(torch_.case, 2, "gloo", 2.0, (2.0,), True)]
-    assert bench_collectives.launch_ratios(single[0], single) is None
-    assert bench_collectives.ring_vs_torch_table(single).splitlines()[-1].split()[-1] == "2.00"
+    assert sweep.launch_ratios(single[0], single) is None
+    assert sweep.ring_vs_torch_table(single).splitlines()[-1].split()[-1] == "2.00"
     # the launch count survives a CSV round trip
     assert timing_from_record(ring.as_record()).launches == 2
 
@@ -397,14 +400,14 @@ def test_ratio_pairs_each_call_with_the_torch_call_beside_it() -> None:
     paired ratio says 1.25; the ratio of the two medians (5 / 8) would say 0.625."""
     ring = _pooled(Algorithm.RING, [(4.0, 4.0, 8.0, 8.0, 8.0)])
     torch_ = _pooled(Algorithm.TORCH, [(5.0, 5.0, 5.0, 10.0, 10.0)])
-    assert bench_collectives.call_ratios(ring, torch_) == [1.25, 1.25, 0.625, 1.25, 1.25]
-    assert bench_collectives.ratio_to_torch(ring, [ring, torch_]) == 1.25
+    assert sweep.call_ratios(ring, torch_) == [1.25, 1.25, 0.625, 1.25, 1.25]
+    assert sweep.ratio_to_torch(ring, [ring, torch_]) == 1.25
     assert torch_.seconds / ring.seconds == 0.625
     # timings that did not run side by side (different numbers of calls): ratio of medians
     lone = _pooled(Algorithm.TORCH, [(2.0, 2.0, 2.0)])
-    assert bench_collectives.call_ratios(ring, lone) is None
-    assert bench_collectives.ratio_to_torch(ring, [ring, lone]) == 0.25
-    assert bench_collectives.launch_ratios(ring, [ring, lone]) is None
+    assert sweep.call_ratios(ring, lone) is None
+    assert sweep.ratio_to_torch(ring, [ring, lone]) == 0.25
+    assert sweep.launch_ratios(ring, [ring, lone]) is None
 
 
 @given(launches=st.integers(2, 4), calls=st.integers(1, 6), data=st.data())
@@ -416,8 +419,8 @@ def test_pooled_ratio_lies_within_the_launch_range(launches: int, calls: int,
     per_launch = [[tuple(data.draw(st.lists(times, min_size=calls, max_size=calls)))
                    for _ in range(launches)] for _ in range(2)]
     ring, torch_ = _pooled(Algorithm.RING, per_launch[0]), _pooled(Algorithm.TORCH, per_launch[1])
-    spread = bench_collectives.launch_ratios(ring, [ring, torch_])
-    pooled = bench_collectives.ratio_to_torch(ring, [ring, torch_])
+    spread = sweep.launch_ratios(ring, [ring, torch_])
+    pooled = sweep.ratio_to_torch(ring, [ring, torch_])
     assert spread is not None and pooled is not None
     assert min(spread) - 1e-12 <= pooled <= max(spread) + 1e-12, (pooled, spread)
 

@@ -14,8 +14,8 @@ from labs.checks import (
     check_ring_all_gather,
     check_ring_all_reduce,
     check_ring_reduce_scatter,
-    failing_rank,
 )
+from labs.checks.core import failing_rank
 from labs.collectives import (
     ring_all_gather,
     ring_all_reduce,
@@ -625,7 +625,7 @@ def test_a_verdict_names_the_lowest_rank_that_failed_not_one_that_lost_its_peer(
 
 
 def test_the_partial_sum_diagnosis_names_the_ranks_and_gives_up_past_ten_ranks():
-    from labs.checks_collectives import _subset_sum
+    from labs.checks.collectives import _subset_sum
 
     parts = [torch.full((3,), float(2 ** r)) for r in range(11)]  # every subset sum differs
     assert _subset_sum(parts[0] + parts[2], parts[:4]) == (0, 2)

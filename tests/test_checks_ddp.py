@@ -14,7 +14,7 @@ from torch.distributed import all_reduce as imported_all_reduce
 from torch.distributed import distributed_c10d
 
 from labs.checks import CheckResult, check_bucketed_ddp, check_simple_ddp
-from labs.checks_ddp import _watched_all_reduces
+from labs.checks.watch import watched_all_reduces
 from labs.ddp import DDP, NaiveDDP
 
 from solutions import solution
@@ -528,7 +528,7 @@ def test_bucketed_check_refuses_an_instance(refuse_processes):
 def test_watching_all_reduces_restores_what_it_patched():
     group, work = distributed_c10d.ProcessGroup, distributed_c10d.Work
     before = (group.allreduce, group.allreduce_coalesced, work.wait)
-    with pytest.raises(KeyError), _watched_all_reduces():
+    with pytest.raises(KeyError), watched_all_reduces():
         assert (group.allreduce, group.allreduce_coalesced, work.wait) != before
         raise KeyError("the learner's code raised")
     assert (group.allreduce, group.allreduce_coalesced, work.wait) == before

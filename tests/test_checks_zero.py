@@ -21,8 +21,10 @@ from labs.checks import (
     check_reduce_scatter_grad,
     check_sharded_sgd_step,
 )
-from labs.checks_collectives import CollectiveUsedError
-from labs.checks_zero import _GROUP_METHODS, _watched_collectives
+from labs.checks.collectives import CollectiveUsedError
+from labs.checks.watch import GROUP_METHODS, counted_collectives
+from labs.checks.zero import _refusals
+from labs.checks.zero_cases import ZeroExercise
 from labs.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 from solutions import solution
@@ -503,9 +505,10 @@ def test_a_function_with_the_wrong_arguments_fails_before_any_rank_starts(refuse
 @pytest.mark.parametrize("refuse", [False, True])
 def test_watching_collectives_restores_what_it_patched(refuse):
     group = distributed_c10d.ProcessGroup
-    names = [name for name in _GROUP_METHODS if hasattr(group, name)]
+    names = [name for name in GROUP_METHODS if hasattr(group, name)]
     before = [getattr(group, name) for name in names]
-    with pytest.raises(KeyError), _watched_collectives(refuse_all_reduce=refuse):
+    exercise = ZeroExercise.REDUCE_SCATTER_GRAD if refuse else ZeroExercise.SHARDED_STEP
+    with pytest.raises(KeyError), counted_collectives(_refusals(exercise)):
         assert [getattr(group, name) for name in names] != before
         if refuse:
             with pytest.raises(CollectiveUsedError, match="no all-reduce"):

@@ -25,14 +25,8 @@ from labs.cost_model import (
     plot_cost_model,
     predict,
 )
-from labs.timing import (
-    CollectiveCase,
-    CollectiveTiming,
-    P2PPattern,
-    PointTiming,
-    Statistic,
-    time_p2p,
-)
+from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p
+from labs.experiments.timing import CollectiveCase, CollectiveTiming, Statistic
 
 # The rank function below travels by value (the ranks need not import pytest).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -7,9 +7,8 @@ import torch
 
 from labs import RankError, launch
 from labs.ddp import assign_buckets, trainable_parameters
-from labs.ddp_experiments import (
+from labs.experiments.ddp import (
     Case,
-    Implementation,
     SamplerSettings,
     StepSettings,
     bucket_plan,
@@ -24,7 +23,7 @@ from labs.ddp_experiments import (
     sampler_views,
     torch_bucket_counts,
 )
-from labs.ddp_pitfalls import (
+from labs.experiments.pitfalls import (
     ChangeAfterWrapping,
     Logging,
     TwoHeads,
@@ -35,7 +34,8 @@ from labs.ddp_pitfalls import (
     unused_parameter_first_step_worker,
     unused_parameter_worker,
 )
-from labs.viz_ddp import _covered, accumulation_table, sampler_table, step_time_table
+from labs.viz.ddp import _covered, accumulation_table, sampler_table, step_time_table
+from labs.wrappers import Wrapper
 
 SMALL = StepSettings(width=32, layers=3, batch=8, steps=2, warmup=1,
                      bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)  # one layer per bucket
@@ -66,9 +66,9 @@ def test_step_times_cover_every_case_and_count_its_all_reduces():
     cases = default_cases(SMALL.bucket_cap_mb)
     rows = measure_step_times(2, SMALL, cases, launches=2)
     assert [r.case for r in rows] == cases
-    buckets = {r.case.implementation: r.buckets for r in rows}
-    assert buckets == {Implementation.LOCAL: 0, Implementation.NAIVE: 6,
-                       Implementation.OURS: 3, Implementation.TORCH: 3}
+    buckets = {r.case.wrapper: r.buckets for r in rows}
+    assert buckets == {Wrapper.LOCAL: 0, Wrapper.NAIVE: 6,
+                       Wrapper.DDP: 3, Wrapper.TORCH_DDP: 3}
     assert all(r.seconds > 0 for r in rows)
     table = step_time_table(rows)
     assert "1.00x" in table and "NaiveDDP" in table
@@ -88,18 +88,18 @@ def test_torch_ddp_starts_with_one_bucket_then_rebuilds_to_the_labs_plan(cap_mb)
 
 def test_a_bucket_sweep_has_both_bucketed_implementations_at_every_cap():
     cases = bucket_sweep_cases([0.01, 1.0])
-    assert Case(Implementation.OURS, 1.0) in cases and Case(Implementation.TORCH, 0.01) in cases
+    assert Case(Wrapper.DDP, 1.0) in cases and Case(Wrapper.TORCH_DDP, 0.01) in cases
     assert len(cases) == 6
 
 
 def test_the_timeline_shows_ddp_launching_during_backward_and_naive_after_it():
     timelines = measure_timelines(2, SMALL)
-    for t in timelines[Implementation.OURS]:
+    for t in timelines[Wrapper.DDP]:
         assert [s.label for s in t.allreduces] == ["bucket 0", "bucket 1", "bucket 2"]
         assert t.allreduces[0].start < t.backward_end  # launched while backward ran
         assert len(t.grad_ready) == 6
         assert all(s.start <= s.end <= t.synchronised for s in t.allreduces)
-    for t in timelines[Implementation.NAIVE]:
+    for t in timelines[Wrapper.NAIVE]:
         assert len(t.allreduces) == 6
         assert all(s.start >= t.backward_end for s in t.allreduces)  # only after backward
         assert {s.label for s in t.allreduces} == set(t.grad_ready)
@@ -110,8 +110,8 @@ def test_no_sync_makes_k_micro_batches_cost_one_all_reduce_per_bucket():
     settings = StepSettings(width=32, layers=3, batch=8, steps=2, warmup=1, accumulation=4,
                             bucket_cap_mb=SMALL.bucket_cap_mb)
     rows = measure_accumulation(2, settings)
-    calls = {(r.implementation, r.no_sync): r.allreduces for r in rows}
-    for impl in (Implementation.OURS, Implementation.TORCH):
+    calls = {(r.wrapper, r.no_sync): r.allreduces for r in rows}
+    for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
         assert calls[(impl, False)] == 4 * 3  # every micro-batch all-reduces every bucket
         assert calls[(impl, True)] == 3
     assert "all-reduces per step" in accumulation_table(rows)
@@ -148,8 +148,8 @@ def test_bucket_plan_names_what_each_bucket_holds():
 
 
 @pytest.mark.parametrize("impl, message", [
-    (Implementation.TORCH, "Expected to have finished reduction in the prior iteration"),
-    (Implementation.OURS, r"aux_head.*find_unused_parameters=True"),
+    (Wrapper.TORCH_DDP, "Expected to have finished reduction in the prior iteration"),
+    (Wrapper.DDP, r"aux_head.*find_unused_parameters=True"),
 ])
 def test_an_unused_parameter_is_an_error_without_find_unused_parameters(impl, message):
     with pytest.raises(RankError, match=message):
@@ -167,7 +167,7 @@ def test_torchs_first_step_with_an_unused_parameter_averages_nothing():
 
 
 def test_editing_weights_on_one_rank_after_wrapping_makes_ranks_drift():
-    for impl in (Implementation.OURS, Implementation.TORCH):
+    for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
         edited = launch(change_after_wrapping_worker, 2,
                         args=(ChangeAfterWrapping.RANK0_EDITS_WEIGHTS, impl), echo=False)
         assert edited[1].max_difference > 0.1
@@ -176,7 +176,7 @@ def test_editing_weights_on_one_rank_after_wrapping_makes_ranks_drift():
         assert kept[1].max_difference == 0.0
     with pytest.raises(RankError, match=r"head\.(weight|bias)"):
         launch(change_after_wrapping_worker, 2,
-               args=(ChangeAfterWrapping.NEW_LAYER, Implementation.OURS), echo=False, timeout=30)
+               args=(ChangeAfterWrapping.NEW_LAYER, Wrapper.DDP), echo=False, timeout=30)
 
 
 def test_logging_from_rank_zero_prints_once_and_the_average_needs_every_rank(capsys):
@@ -197,6 +197,6 @@ def test_checkpoint_from_rank_zero_loads_on_every_rank(tmp_path):
 
 
 def test_wrapping_broadcasts_rank_zeros_weights_whatever_the_seed():
-    assert launch(seeding_worker, 2, args=(Implementation.LOCAL,), echo=False)[1] > 0
-    for impl in (Implementation.OURS, Implementation.TORCH):
+    assert launch(seeding_worker, 2, args=(Wrapper.LOCAL,), echo=False)[1] > 0
+    for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
         assert launch(seeding_worker, 2, args=(impl,), echo=False) == [0.0, 0.0]

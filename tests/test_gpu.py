@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from labs import Backend, launch, rank_device
 from labs.collectives import Algorithm, all_gather, all_reduce, reduce_scatter
-from labs.ddp_experiments import StepSettings, mlp
+from labs.experiments.ddp import StepSettings, mlp
+from labs.experiments.zero import lab_worker
 from labs.fsdp import FSDP
 from labs.memory import ShardMemorySettings, all_gather_memory, reduce_scatter_memory
 from labs.toy_allreduce import (
@@ -27,8 +28,8 @@ from labs.toy_allreduce import (
     max_abs_difference,
     toy_all_reduce_step,
 )
-from labs.train import TrainConfig, Wrapper, train_worker
-from labs.zero_experiments import Strategy, lab_worker
+from labs.train import TrainConfig, train_worker
+from labs.wrappers import DDP_WRAPPERS, ZERO_STAGES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftover_processes")]
 
@@ -116,7 +117,7 @@ def test_memory_timelines_count_the_same_bytes_on_the_gpus(worker):
 
 
 def test_the_training_lab_gives_the_cpu_curve_on_the_gpus():
-    for wrapper in Wrapper:
+    for wrapper in DDP_WRAPPERS:
         nccl, gloo = on_both(train_worker, TrainConfig(steps=5, wrapper=wrapper))
         torch.testing.assert_close(nccl[0].losses, gloo[0].losses, atol=1e-4, rtol=1e-4,
                                    msg=f"{wrapper}")
@@ -125,8 +126,8 @@ def test_the_training_lab_gives_the_cpu_curve_on_the_gpus():
 def test_the_zero_lab_measures_the_same_bytes_on_the_gpus():
     settings = StepSettings(width=64, layers=4, batch=8, steps=2, warmup=0)
     (nccl_reports, nccl_traffic), (gloo_reports, gloo_traffic) = (
-        runs[0] for runs in on_both(lab_worker, settings, list(Strategy)))
-    for strategy in Strategy:
+        runs[0] for runs in on_both(lab_worker, settings, list(ZERO_STAGES)))
+    for strategy in ZERO_STAGES:
         a, b = nccl_reports[strategy], gloo_reports[strategy]
         assert [(s.moment, a.bytes(s)) for s in a.snapshots] == [
             (s.moment, b.bytes(s)) for s in b.snapshots], strategy

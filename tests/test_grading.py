@@ -438,14 +438,14 @@ import labs.checks
 labs.checks.CheckResult.__str__ = lambda self: {PASS_LINE!r}
 """, None),
     ("monkeypatches launch", """
-import labs.checks
+import labs.checks.toy
 from labs import launch as _real_launch
 
 def _launch_that_divides(fn, world_size, *args, **kwargs):
     results = _real_launch(fn, world_size, *args, **kwargs)
     return [{k: None if v is None else v / world_size for k, v in r.items()} for r in results]
 
-labs.checks.launch = _launch_that_divides
+labs.checks.toy.launch = _launch_that_divides
 """, None),
 ]
 

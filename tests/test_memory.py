@@ -1,6 +1,6 @@
 """labs.memory: what the timeline counts (storages once, views not twice, freed tensors not at
-all), what the allocation tracker sees, the chapter 3/4 workers on real ranks, and a wrong
-claim failing the check."""
+all), what the allocation tracker sees, the chapter 3/4 workers on real ranks, a wrong claim
+failing the check, and labs.viz.memory's table and figure."""
 
 import matplotlib
 
@@ -21,13 +21,11 @@ from labs.memory import (
     ShardMemorySettings,
     all_gather_memory,
     check_held_bytes,
-    describe_allocations,
     find,
-    memory_table,
     named_tensors,
-    plot_memory_timeline,
     reduce_scatter_memory,
 )
+from labs.viz.memory import describe_allocations, memory_table, plot_memory_timeline
 
 # --- the timeline, in one process --------------------------------------------------------------
 
@@ -176,6 +174,67 @@ def test_tracker_peak_is_the_most_alive_at_once():
     assert during.allocated_bytes == 700
     assert during.live_bytes == 300
     del b, c
+
+
+def test_tracker_sees_a_storage_freed_and_regrown_in_place():
+    with AllocationTracker() as during:
+        full = torch.empty(100)  # 400
+        full.untyped_storage().resize_(0)  # freed, as FSDP's reshard does
+        torch.zeros(50)  # 200, dropped at once: the peak is still 400
+        full.untyped_storage().resize_(400)
+        full.add_(1)  # an operator after the regrowth: 400 alive again
+    assert during.peak_bytes == 400
+    assert during.live_bytes == 400
+    full.untyped_storage().resize_(0)
+    assert during.live_bytes == 0  # read at the present size, after the block too
+    assert [(a.op, a.nbytes) for a in during.allocations] == [("empty", 400), ("zeros", 200)]
+
+
+def test_an_empty_storage_is_watched_not_listed():
+    with AllocationTracker() as during:
+        buffer = torch.empty(0)
+        buffer.untyped_storage().resize_(40)
+        buffer.add_(1)
+    assert during.allocations == []
+    assert during.peak_bytes == during.live_bytes == 40
+    del buffer
+
+
+def test_tracker_counts_torch_tensor_from_python_data():
+    with AllocationTracker() as during:
+        made = torch.tensor([1.0, 2.0, 3.0])  # filled outside the dispatcher, then lift_fresh
+    assert during.live_bytes == 12
+    del made
+
+
+def test_tracked_tensors_count_and_untracked_ones_stop_counting():
+    params = [torch.zeros(10), torch.zeros(20)]  # 40 + 80, made before the block
+    during = AllocationTracker()
+    during.track([params[0], params[0][2:]])  # a storage counts once
+    assert during.peak_bytes == during.live_bytes == 40
+    with during:
+        result = params[1] * 2  # 80; params[1] itself is not tracked
+        scratch = torch.ones(5)  # 20
+    assert during.live_bytes == 40 + 80 + 20
+    during.untrack([result])
+    assert during.live_bytes == 40 + 20
+    del scratch
+    assert during.live_bytes == 40
+    assert during.peak_bytes == 140
+
+
+def test_tracker_can_be_entered_again_and_its_peak_reset():
+    during = AllocationTracker()
+    with during:
+        first = torch.empty(100)  # 400
+        del first
+    assert during.peak_bytes == 400 and during.live_bytes == 0
+    during.reset_peak()
+    with during:
+        second = torch.empty(10)  # 40
+    assert during.peak_bytes == 40
+    assert [a.nbytes for a in during.allocations] == [400, 40]
+    del second
 
 
 # --- the chapter 3 and 4 workers on real ranks -------------------------------------------------

@@ -26,7 +26,7 @@ from nbclient import NotebookClient
 from packaging.version import Version
 
 from labs import RankError, launch
-from labs.checks import clean_traceback
+from labs.checks.core import clean_traceback
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -159,7 +159,7 @@ def test_the_oldest_cloudpickle_shows_them_too(tmp_path):
 
 def test_a_check_verdict_keeps_the_cell_frames_and_drops_its_own():
     """A check shows the learner's frames, as the launcher named them, without its own."""
-    check = "/venv/labs/checks_ddp.py"
+    check = "/venv/labs/checks/ddp.py"
     text = ("Traceback (most recent call last):\n"
             f'  File "{check}", line 10, in _run\n    average_gradients(model)\n'
             "  Cell In[4], line 2, in average_gradients\n    p.grad /= n\n"

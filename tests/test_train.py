@@ -19,11 +19,11 @@ from labs.train import (
     TinyTransformer,
     TrainConfig,
     TrainResult,
-    Wrapper,
     char_windows,
     check_resume,
     train_worker,
 )
+from labs.wrappers import DDP_WRAPPERS, Wrapper
 
 
 def train(world_size: int = 2, **settings: object) -> list[TrainResult]:
@@ -69,18 +69,18 @@ def test_loss_goes_down_on_two_ranks():
 
 
 def test_three_wrappers_give_the_same_curve():
-    curves = {w: train(steps=5, wrapper=w) for w in Wrapper}
+    curves = {w: train(steps=5, wrapper=w) for w in DDP_WRAPPERS}
     for wrapper, results in curves.items():
         assert_ranks_agree(results)
-        torch.testing.assert_close(results[0].losses, curves[Wrapper.TORCH][0].losses,
+        torch.testing.assert_close(results[0].losses, curves[Wrapper.TORCH_DDP][0].losses,
                                    msg=f"{wrapper} differs from torch DDP")
-        assert results[0].checksum == pytest.approx(curves[Wrapper.TORCH][0].checksum, rel=1e-6)
+        assert results[0].checksum == pytest.approx(curves[Wrapper.TORCH_DDP][0].checksum, rel=1e-6)
 
 
-@pytest.mark.parametrize("wrapper", [Wrapper.OURS, Wrapper.TORCH])
+@pytest.mark.parametrize("wrapper", [Wrapper.DDP, Wrapper.TORCH_DDP])
 def test_accumulating_two_micro_batches_equals_one_batch_twice_as_large(wrapper):
     """The same windows per optimizer step (8 steps: past the end of the first epoch), split in
-    two halves whose losses are halved: the same gradient, up to float rounding. With OURS a
+    two halves whose losses are halved: the same gradient, up to float rounding. With DDP a
     second backward without no_sync() would raise, so this also shows no_sync() is used."""
     big = train(steps=8, batch_size=8, accumulation=1, wrapper=wrapper)
     split = train(steps=8, batch_size=4, accumulation=2, wrapper=wrapper)

@@ -22,9 +22,10 @@ import torch
 
 matplotlib.use("Agg")
 
-from labs import bench_collectives, widgets  # noqa: E402
+from labs.bench import collectives as bench_collectives  # noqa: E402
 from labs.collectives import Algorithm, Collective, Phase, shard_bounds  # noqa: E402
-from labs.experiments import (  # noqa: E402
+from labs.experiments import sweep  # noqa: E402
+from labs.experiments.collectives import (  # noqa: E402
     AgreementSettings,
     PlanningSettings,
     TraceSettings,
@@ -39,7 +40,9 @@ from labs.experiments import (  # noqa: E402
 )
 from labs.launcher import Backend  # noqa: E402
 from labs.tables import ring_trace_table, traffic_table  # noqa: E402
-from labs.viz import plot_traffic, ring_animation, ring_frames, ring_steps_figure  # noqa: E402
+from labs.viz import widgets  # noqa: E402
+from labs.viz.collectives import plot_traffic, ring_animation, ring_frames, ring_steps_figure  # noqa: E402
+from labs.wrappers import Wrapper
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +287,7 @@ def test_panel_settings_refuse_bad_choices():
      "backends": (Backend.GLOO, Backend.NCCL), "timeout_s": 90.5},
 ])
 def test_sweep_command_parses_back_into_the_same_settings(changes):
-    settings = dataclasses.replace(bench_collectives.SweepSettings(), **changes)
+    settings = dataclasses.replace(sweep.SweepSettings(), **changes)
     words = shlex.split(widgets.sweep_command(settings))
     assert words[:4] == ["python", "-m", "labs.bench", "collectives"]
     parser = argparse.ArgumentParser()
@@ -310,18 +313,17 @@ def test_toy_panel_default_run_and_a_click(monkeypatch, capsys):
 
 
 def test_zero_panel_offers_the_width_it_was_given_and_runs_the_chosen_one(monkeypatch):
-    from labs.ddp_experiments import StepSettings
-    from labs.zero_experiments import Strategy
+    from labs.experiments.ddp import StepSettings
 
     shown, runs = [], []
     monkeypatch.setattr(widgets, "display", shown.append)
     monkeypatch.setattr(widgets, "show_zero_run", lambda *args: runs.append(args))
     base = StepSettings(width=48, layers=2, batch=8, steps=1, warmup=0)
-    widgets.zero_panel(world_size=2, strategy=Strategy.ZERO1, settings=base)
-    assert runs == [(2, Strategy.ZERO1, base)]  # the default run, shown at once
+    widgets.zero_panel(world_size=2, strategy=Wrapper.ZERO1, settings=base)
+    assert runs == [(2, Wrapper.ZERO1, base)]  # the default run, shown at once
     (controls, button, _out) = shown[0].children
     _size, _stage, width = controls.children
     assert width.value == 48 and 48 in width.options
     width.value = 128
     button.click()
-    assert runs[-1] == (2, Strategy.ZERO1, dataclasses.replace(base, width=128))
+    assert runs[-1] == (2, Wrapper.ZERO1, dataclasses.replace(base, width=128))

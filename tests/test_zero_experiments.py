@@ -12,17 +12,17 @@ import sys
 import pytest
 
 from labs import __main__ as labs_cli
-from labs.ddp_experiments import StepSettings
-from labs.zero_experiments import (
+from labs.experiments.ddp import StepSettings
+from labs.experiments.zero import (
     LAB_SETTINGS,
     Group,
     Recipe,
-    Strategy,
     bytes_per_parameter,
     max_parameters,
     measure_memory,
     measure_traffic,
 )
+from labs.wrappers import ZERO_STAGES, Wrapper
 
 # 8 layers of Linear(64, 64): 4160 parameters each, a multiple of 4, so no padding.
 SETTINGS = StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
@@ -34,10 +34,10 @@ def test_steady_state_bytes_per_parameter_follow_the_stage(world_size):
     reports = measure_memory([world_size], SETTINGS)
     n = world_size
     expected = {  # bytes per parameter after the optimizer step: parameters, gradients, Adam
-        Strategy.DDP: (4, 4, 8),
-        Strategy.ZERO1: (4, 4 / n, 8 / n),
-        Strategy.ZERO2: (4, 4 / n, 8 / n),
-        Strategy.ZERO3: (4 / n, 4 / n, 8 / n),
+        Wrapper.DDP: (4, 4, 8),
+        Wrapper.ZERO1: (4, 4 / n, 8 / n),
+        Wrapper.ZERO2: (4, 4 / n, 8 / n),
+        Wrapper.FSDP: (4 / n, 4 / n, 8 / n),
     }
     for strategy, (params, grads, state) in expected.items():
         final = reports[(strategy, n)].final.bytes_by_group()
@@ -45,21 +45,21 @@ def test_steady_state_bytes_per_parameter_follow_the_stage(world_size):
         assert final[Group.GRADIENTS.value] == grads * P, strategy
         # Adam also keeps a 4-byte step count per tensor it updates (16 at most here)
         assert final[Group.OPTIMIZER.value] == pytest.approx(state * P, abs=4 * 16)
-    ddp = reports[(Strategy.DDP, n)]
+    ddp = reports[(Wrapper.DDP, n)]
     assert ddp.final.bytes_by_group()[Group.BUFFERS.value] == 4 * P
     # the peaks: DDP holds everything at once; ZeRO-1 holds full gradients until the step;
     # ZeRO-2 and FSDP add what is in flight to 1/N of the rest
     assert ddp.peak_bytes == pytest.approx(16 * P, abs=4 * 16)
-    assert reports[(Strategy.ZERO1, n)].peak_bytes == pytest.approx((8 + 8 / n) * P, abs=64)
+    assert reports[(Wrapper.ZERO1, n)].peak_bytes == pytest.approx((8 + 8 / n) * P, abs=64)
     if n == 4:  # (on one rank, FSDP's gathered copies make it the largest)
-        assert (reports[(Strategy.ZERO3, n)].peak_bytes
-                < reports[(Strategy.ZERO2, n)].peak_bytes
-                < reports[(Strategy.ZERO1, n)].peak_bytes < ddp.peak_bytes)
-        assert reports[(Strategy.ZERO3, n)].peak_bytes < 0.4 * ddp.peak_bytes
+        assert (reports[(Wrapper.FSDP, n)].peak_bytes
+                < reports[(Wrapper.ZERO2, n)].peak_bytes
+                < reports[(Wrapper.ZERO1, n)].peak_bytes < ddp.peak_bytes)
+        assert reports[(Wrapper.FSDP, n)].peak_bytes < 0.4 * ddp.peak_bytes
 
 
 def test_fsdp_snapshots_see_every_gather_free_and_reduce_scatter():
-    report = measure_memory([2], SETTINGS, [Strategy.ZERO3])[(Strategy.ZERO3, 2)]
+    report = measure_memory([2], SETTINGS, [Wrapper.FSDP])[(Wrapper.FSDP, 2)]
     moments = [s.moment for s in report.snapshots]
     assert moments[0] == "start of step" and moments[-1] == "after optimizer step"
     assert sum(m.startswith("all-gather for forward") for m in moments) == SETTINGS.layers
@@ -104,7 +104,7 @@ def _after_step(printed: str) -> dict[str, tuple[float, ...]]:
     found: dict[str, tuple[float, ...]] = {}
     for line in printed.splitlines():
         cells = re.search(r"(\d+\.\d+) / (\d+\.\d+) / (\d+\.\d+)", line)
-        strategy = next((s.value for s in Strategy if line.strip().startswith(s.value)), None)
+        strategy = next((s.value for s in ZERO_STAGES if line.strip().startswith(s.value)), None)
         if cells and strategy and strategy not in found:
             found[strategy] = tuple(float(c) for c in cells.groups())
     return found

@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from labs.ddp_experiments import Case, Implementation, Optimizer, StepSettings, measure_step_times
+from labs.experiments.ddp import Case, Optimizer, StepSettings, measure_step_times
+from labs.experiments.zero import Group, memory_worker
 from labs.launcher import launch
 from labs.tables import format_table
-from labs.zero_experiments import Group, Strategy, memory_worker
+from labs.wrappers import Wrapper
 
 
 def add_fsdp_parser(sub: Any) -> None:
@@ -43,8 +44,8 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(str(err))
     mib = 2**20
     reports = {s: launch(memory_worker, opts.memory_world_size, args=(settings, s),
-                         echo=False, timeout=600)[0] for s in (Strategy.DDP, Strategy.ZERO3)}
-    ddp, fsdp = reports[Strategy.DDP], reports[Strategy.ZERO3]
+                         echo=False, timeout=600)[0] for s in (Wrapper.DDP, Wrapper.FSDP)}
+    ddp, fsdp = reports[Wrapper.DDP], reports[Wrapper.FSDP]
     ddp_all, fsdp_all = (max(r.bytes(s, tuple(Group)) for s in r.snapshots) for r in (ddp, fsdp))
     print(f"{settings.parameters / 1e6:.1f} M parameters ({settings.layers} x Linear("
           f"{settings.width}, {settings.width})), Adam, fp32; memory at world size "
@@ -62,8 +63,8 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         timed = StepSettings(width=opts.width, layers=opts.layers, batch=batch,
                              steps=opts.steps, warmup=2, optimizer=Optimizer.ADAM)
         ddp_row, fsdp_row = measure_step_times(
-            opts.time_world_size, timed, [Case(Implementation.OURS, timed.bucket_cap_mb),
-                                          Case(Implementation.FSDP, timed.bucket_cap_mb)],
+            opts.time_world_size, timed, [Case(Wrapper.DDP, timed.bucket_cap_mb),
+                                          Case(Wrapper.FSDP, timed.bucket_cap_mb)],
             timeout=600)
         rows.append([batch, f"{ddp_row.seconds * 1e3:.1f}", f"{fsdp_row.seconds * 1e3:.1f}",
                      f"{fsdp_row.seconds / ddp_row.seconds:.2f}x"])

@@ -10,29 +10,29 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from labs.bench_collectives import SweepSettings, run_sweep, sweep_tables
 from labs.collectives import Algorithm, Collective
-from labs.ddp_experiments import (
+from labs.experiments.ddp import (
     StepSettings,
     cap_text,
     default_cases,
     measure_step_times,
     measure_timelines,
 )
-from labs.launcher import launch
-from labs.tables import toy_table
-from labs.timing import dtype_name, format_size
-from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
-from labs.viz import plot_collective_bars, plot_toy_allreduce
-from labs.viz_ddp import plot_step_times, plot_timeline, step_time_table
-from labs.viz_zero import calculator_table, plot_calculator, plot_step_memory
-from labs.zero_experiments import (
+from labs.experiments.sweep import SweepSettings, run_sweep, sweep_tables
+from labs.experiments.timing import dtype_name, format_size
+from labs.experiments.zero import (
     LAB_SETTINGS,
     Recipe,
-    Strategy,
     measure_memory,
     measure_traffic,
 )
+from labs.launcher import launch
+from labs.tables import toy_table
+from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
+from labs.viz.collectives import plot_collective_bars, plot_toy_allreduce
+from labs.viz.ddp import plot_step_times, plot_timeline, step_time_table
+from labs.viz.zero import calculator_table, plot_calculator, plot_step_memory
+from labs.wrappers import ZERO_STAGES, Wrapper
 
 
 def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
@@ -149,7 +149,7 @@ def collective_panel(
     algorithms: Sequence[Algorithm] | None = None, iters: int = 5,
 ) -> None:
     """World size, message size and algorithms for ``collective``, and a run button that times
-    them on real ranks (:func:`labs.bench_collectives.run_sweep`). The default run is shown at
+    them on real ranks (:func:`labs.bench.collectives.run_sweep`). The default run is shown at
     once, as ordinary output (so a rendered page shows it); each click shows its own run in
     the panel. A collective needs two ranks, so the world size starts at 2."""
     default = panel_settings(collective, world_size, size_bytes, algorithms, iters)
@@ -231,7 +231,7 @@ def ddp_panel(world_size: int = 2, bucket_cap_mb: float = 0.25, accumulation: in
 def memory_calculator(parameters: float = 7e9, recipe: Recipe = Recipe.MIXED,
                       world_size: int = 8, memory_gb: float = 80.0) -> None:
     """Model size, precision recipe, world size and memory per GPU -> bytes per parameter and
-    GB per rank at every ZeRO stage (arithmetic: :func:`labs.zero_experiments.bytes_per_parameter`).
+    GB per rank at every ZeRO stage (arithmetic: :func:`labs.experiments.zero.bytes_per_parameter`).
     The default is shown at once; every change redraws."""
     size = w.FloatLogSlider(value=parameters, base=10, min=6, max=12, step=0.1,
                             description="parameters", readout_format=".2g")
@@ -260,7 +260,7 @@ def _show_calculator(parameters: float, recipe: Recipe, world_size: int, memory_
     plt.close(fig)
 
 
-def show_zero_run(world_size: int, strategy: Strategy, settings: StepSettings) -> None:
+def show_zero_run(world_size: int, strategy: Wrapper, settings: StepSettings) -> None:
     """Measure one strategy on real ranks: rank 0's memory through one step (every moment
     the strategy exposes) and the bytes it sends."""
     start = time.perf_counter()
@@ -277,13 +277,13 @@ def show_zero_run(world_size: int, strategy: Strategy, settings: StepSettings) -
     plt.close(fig)
 
 
-def zero_panel(world_size: int = 4, strategy: Strategy = Strategy.ZERO3,
+def zero_panel(world_size: int = 4, strategy: Wrapper = Wrapper.FSDP,
                settings: StepSettings | None = None) -> None:
     """World size, ZeRO stage and model width -> one measured step: memory over time and
     traffic. The default run is shown at once, as ordinary output."""
     base = settings or LAB_SETTINGS
     size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
-    stage = w.Dropdown(options=[(s.value, s) for s in Strategy], value=strategy,
+    stage = w.Dropdown(options=[(s.value, s) for s in ZERO_STAGES], value=strategy,
                        description="stage", layout=w.Layout(width="260px"))
     width = w.Dropdown(options=sorted({32, 64, 128, 256, base.width}), value=base.width,
                        description="layer width",

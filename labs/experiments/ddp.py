@@ -3,7 +3,7 @@ gradient accumulation with and without ``no_sync()``, and the DistributedSampler
 
 Every function named ``*_worker`` runs inside a rank (``launch(worker, N, args=(...))``); the
 others run in the notebook and launch them. Ranks import this module to find the workers, so
-it imports nothing heavy (plots live in :mod:`labs.viz_ddp`).
+it imports nothing heavy (plots live in :mod:`labs.viz.ddp`).
 
 The step-time experiments time the same model and batch under four implementations, in one
 launch, alternating their order every iteration so that a slow moment of the machine does not
@@ -24,25 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP, assign_buckets, trainable_parameters
+from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, assign_buckets, trainable_parameters
 from labs.launcher import launch, rank_device
-
-
-class Implementation(enum.Enum):
-    """What synchronises the gradients in a step-time experiment."""
-
-    LOCAL = "no sync"
-    """No communication at all: the compute-only floor (the ranks drift apart)."""
-    NAIVE = "NaiveDDP"
-    """:class:`labs.ddp.NaiveDDP`: one blocking all-reduce per parameter after backward."""
-    OURS = "DDP"
-    """:class:`labs.ddp.DDP`: flat buckets, async all-reduces during backward."""
-    TORCH = "torch DDP"
-    """``torch.nn.parallel.DistributedDataParallel`` (C++ reducer, same bucket cap)."""
-    FSDP = "FSDP"
-    """:class:`labs.fsdp.FSDP` (chapter 6): one unit per Linear layer, Adam on the shards."""
+from labs.wrappers import Wrapper, wrap
 
 
 class Optimizer(enum.Enum):
@@ -107,24 +92,6 @@ def mlp(settings: StepSettings, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def wrap(implementation: Implementation, model: nn.Module, bucket_cap_mb: float) -> nn.Module:
-    """The model wrapped by ``implementation`` (on this rank's device)."""
-    device = rank_device()
-    model = model.to(device)
-    if implementation is Implementation.NAIVE:
-        return NaiveDDP(model)
-    if implementation is Implementation.OURS:
-        return DDP(model, bucket_cap_mb=bucket_cap_mb)
-    if implementation is Implementation.TORCH:
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
-    if implementation is Implementation.FSDP:
-        from labs.fsdp import FSDP  # chapter 6 (imports this module's neighbours)
-
-        return FSDP(model)
-    return model
-
-
 def synchronise(model: nn.Module) -> None:
     """After backward: labs' wrappers average here; torch DDP already did during backward."""
     finish = getattr(model, "finish_gradient_synchronization", None)
@@ -142,14 +109,14 @@ def _sync_device() -> None:
 class Case:
     """One timed configuration: an implementation at a bucket cap."""
 
-    implementation: Implementation
+    wrapper: Wrapper
     bucket_cap_mb: float
 
     @property
     def label(self) -> str:
-        if self.implementation in (Implementation.OURS, Implementation.TORCH):
-            return f"{self.implementation.value} ({cap_text(self.bucket_cap_mb)})"
-        return self.implementation.value
+        if self.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP):
+            return f"{self.wrapper.value} ({cap_text(self.bucket_cap_mb)})"
+        return self.wrapper.value
 
 
 def cap_text(cap_mb: float) -> str:
@@ -175,7 +142,7 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
     """Time ``settings.steps`` SGD steps of every case, alternating the case order each
     iteration; a barrier before each step so every rank starts it together."""
     device = rank_device()
-    models = [wrap(c.implementation, mlp(settings), c.bucket_cap_mb) for c in cases]
+    models = [wrap(c.wrapper, mlp(settings), c.bucket_cap_mb) for c in cases]
     optimizers = [settings.optimizer.build(m.parameters()) for m in models]
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
@@ -220,7 +187,7 @@ def torch_bucket_counts(settings: StepSettings, bucket_cap_mb: float,
     order in which gradients arrive is not known yet. Before the second forward it rebuilds
     them in the order they arrived, up to the cap.
     """
-    model = wrap(Implementation.TORCH, mlp(settings), bucket_cap_mb)
+    model = wrap(Wrapper.TORCH_DDP, mlp(settings), bucket_cap_mb)
     hook = _HookCalls()
     model.register_comm_hook(hook, _counting_hook)
     x = torch.randn(settings.batch, settings.width,
@@ -235,13 +202,13 @@ def torch_bucket_counts(settings: StepSettings, bucket_cap_mb: float,
 
 def _bucket_count(case: Case, settings: StepSettings) -> int:
     """All-reduces per iteration of ``case`` once its buckets are settled."""
-    if case.implementation is Implementation.TORCH:
+    if case.wrapper is Wrapper.TORCH_DDP:
         return torch_bucket_counts(settings, case.bucket_cap_mb)[-1]
-    if case.implementation is Implementation.FSDP:
+    if case.wrapper is Wrapper.FSDP:
         return 0  # all-gathers and reduce-scatters, no all-reduce
-    if case.implementation is Implementation.NAIVE:
+    if case.wrapper is Wrapper.NAIVE:
         return 2 * settings.layers  # one all-reduce per parameter
-    if case.implementation is Implementation.LOCAL:
+    if case.wrapper is Wrapper.LOCAL:
         return 0
     return len(assign_buckets(trainable_parameters(mlp(settings)), case.bucket_cap_mb))
 
@@ -273,21 +240,21 @@ def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[
 
 
 #: Chapter 5's four ways to synchronise gradients (FSDP is chapter 6's).
-DDP_IMPLEMENTATIONS = (Implementation.LOCAL, Implementation.NAIVE, Implementation.OURS,
-                       Implementation.TORCH)
+TIMED_WRAPPERS = (Wrapper.LOCAL, Wrapper.NAIVE, Wrapper.DDP,
+                       Wrapper.TORCH_DDP)
 
 
 def default_cases(bucket_cap_mb: float) -> list[Case]:
     """Chapter 5's four implementations, the bucketed two at ``bucket_cap_mb``."""
-    return [Case(i, bucket_cap_mb) for i in DDP_IMPLEMENTATIONS]
+    return [Case(i, bucket_cap_mb) for i in TIMED_WRAPPERS]
 
 
 def bucket_sweep_cases(caps_mb: Sequence[float]) -> list[Case]:
     """labs' DDP and torch's at every cap, plus NaiveDDP and the no-sync floor once."""
-    cases = [Case(Implementation.LOCAL, DEFAULT_BUCKET_CAP_MB),
-             Case(Implementation.NAIVE, DEFAULT_BUCKET_CAP_MB)]
+    cases = [Case(Wrapper.LOCAL, DEFAULT_BUCKET_CAP_MB),
+             Case(Wrapper.NAIVE, DEFAULT_BUCKET_CAP_MB)]
     for cap in caps_mb:
-        cases += [Case(Implementation.OURS, cap), Case(Implementation.TORCH, cap)]
+        cases += [Case(Wrapper.DDP, cap), Case(Wrapper.TORCH_DDP, cap)]
     return cases
 
 
@@ -307,7 +274,7 @@ class Span:
 class BackwardTimeline:
     """One rank's backward pass and its gradient synchronisation, measured."""
 
-    implementation: Implementation
+    wrapper: Wrapper
     backward_end: float
     grad_ready: dict[str, float]
     """Parameter name -> when its gradient was ready."""
@@ -339,17 +306,17 @@ def _timed_all_reduces(spans: list[tuple[str, float, float]], names: dict[int, s
 
 
 def timeline_worker(rank: int, world_size: int, settings: StepSettings,
-                    implementation: Implementation) -> BackwardTimeline:
+                    wrapper: Wrapper) -> BackwardTimeline:
     """One measured step of NaiveDDP or DDP, after ``max(1, settings.warmup)`` untimed ones
     (the first step allocates the gradients)."""
     device = rank_device()
-    model = wrap(implementation, mlp(settings), settings.bucket_cap_mb)
+    model = wrap(wrapper, mlp(settings), settings.bucket_cap_mb)
     net = model.module
     x = torch.randn(settings.batch, settings.width,
                     generator=torch.Generator().manual_seed(rank)).to(device)
     names = {id(p): n for n, p in net.named_parameters()}
     ready: dict[str, float] = {}
-    if implementation is Implementation.NAIVE:  # DDP records its own; NaiveDDP has no hooks
+    if wrapper is Wrapper.NAIVE:  # DDP records its own; NaiveDDP has no hooks
         for p in net.parameters():
             p.register_post_accumulate_grad_hook(
                 lambda q: ready.__setitem__(names[id(q)], time.perf_counter()))
@@ -376,18 +343,18 @@ def timeline_worker(rank: int, world_size: int, settings: StepSettings,
     else:
         allreduces = [Span(label, s, e) for label, s, e in spans]
     return BackwardTimeline(
-        implementation, backward_end - start,
+        wrapper, backward_end - start,
         {n: v - start for n, v in ready.items()},
         tuple(Span(s.label, s.start - start, s.end - start) for s in allreduces),
         synchronised - start)
 
 
 def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 120.0
-                      ) -> dict[Implementation, list[BackwardTimeline]]:
+                      ) -> dict[Wrapper, list[BackwardTimeline]]:
     """The timeline of one step under NaiveDDP and under DDP, every rank's."""
     return {impl: list(launch(timeline_worker, world_size, args=(settings, impl),
                               timeout=timeout, echo=False))
-            for impl in (Implementation.NAIVE, Implementation.OURS)}
+            for impl in (Wrapper.NAIVE, Wrapper.DDP)}
 
 
 # --- gradient accumulation ---------------------------------------------------------------------
@@ -397,7 +364,7 @@ def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 
 class AccumulationRow:
     """All-reduce calls and seconds per optimizer step with ``accumulation`` micro-batches."""
 
-    implementation: Implementation
+    wrapper: Wrapper
     no_sync: bool
     accumulation: int
     allreduces: float
@@ -422,16 +389,16 @@ def _counting_hook(state, bucket):  # noqa: ANN001, ANN201
 
 
 def accumulation_worker(rank: int, world_size: int, settings: StepSettings,
-                        implementation: Implementation, use_no_sync: bool
+                        wrapper: Wrapper, use_no_sync: bool
                         ) -> tuple[float, list[float]]:
     """Time ``settings.steps`` optimizer steps of ``settings.accumulation`` micro-batches
     each; count the all-reduces. Returns (all-reduces per step, seconds per step)."""
     device = rank_device()
-    model = wrap(implementation, mlp(settings), settings.bucket_cap_mb)
+    model = wrap(wrapper, mlp(settings), settings.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     calls = [0]
     hook = None
-    if implementation is Implementation.TORCH:  # its all-reduces are made in C++: count here
+    if wrapper is Wrapper.TORCH_DDP:  # its all-reduces are made in C++: count here
         hook = _HookCalls()
         model.register_comm_hook(hook, _counting_hook)
     x = torch.randn(settings.batch, settings.width,
@@ -465,19 +432,19 @@ def accumulation_worker(rank: int, world_size: int, settings: StepSettings,
 
 
 def measure_accumulation(world_size: int, settings: StepSettings,
-                         implementations: Sequence[Implementation] = (Implementation.OURS,
-                                                                      Implementation.TORCH),
+                         wrappers: Sequence[Wrapper] = (Wrapper.DDP,
+                                                                      Wrapper.TORCH_DDP),
                          timeout: float = 300.0) -> list[AccumulationRow]:
     """Per implementation: with and without ``no_sync()`` around all but the last
     micro-batch, all-reduces and seconds per optimizer step."""
     rows = []
-    for implementation in implementations:
+    for wrapper in wrappers:
         for use_no_sync in (False, True):
             per_rank = launch(accumulation_worker, world_size,
-                              args=(settings, implementation, use_no_sync), timeout=timeout,
+                              args=(settings, wrapper, use_no_sync), timeout=timeout,
                               echo=False)
             slowest = [max(r[1][k] for r in per_rank) for k in range(settings.steps)]
-            rows.append(AccumulationRow(implementation, use_no_sync, settings.accumulation,
+            rows.append(AccumulationRow(wrapper, use_no_sync, settings.accumulation,
                                         per_rank[0][0], statistics.median(slowest)))
     return rows
 

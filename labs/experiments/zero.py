@@ -3,7 +3,7 @@ FSDP (bytes of the tensors it holds, at every moment of a step), the bytes each 
 and the memory arithmetic (bytes per parameter) they are compared with.
 
 Every ``*_worker`` runs inside a rank; ranks import this module, so it imports no plotting.
-The model is chapter 5's MLP (:class:`labs.ddp_experiments.StepSettings`), trained with Adam.
+The model is chapter 5's MLP (:class:`labs.experiments.ddp.StepSettings`), trained with Adam.
 """
 
 from __future__ import annotations
@@ -18,32 +18,16 @@ from torch import nn
 
 from labs.collectives import Algorithm, Recorder, ring_all_reduce
 from labs.ddp import DDP
-from labs.ddp_experiments import StepSettings, mlp
+from labs.experiments.ddp import StepSettings, mlp
 from labs.fsdp import FSDP
 from labs.launcher import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
+from labs.wrappers import ZERO_STAGES, Wrapper, build
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 
 #: Chapter 6's experiment: an MLP of 8 x Linear(64, 64), 8 rows per rank, 2 Adam steps (the
 #: last one measured). The notebook, its panel and ``python -m labs zero`` start from it.
 LAB_SETTINGS = StepSettings(width=64, layers=8, batch=8, steps=2, warmup=0)
-
-
-class Strategy(enum.Enum):
-    """How the ranks share the training state (the ZeRO stage)."""
-
-    DDP = "DDP"
-    """Stage 0: everything replicated (labs.ddp.DDP)."""
-    ZERO1 = "ZeRO-1"
-    """Optimizer state sharded (labs.zero.ShardedOptimizer)."""
-    ZERO2 = "ZeRO-2"
-    """Optimizer state and gradients sharded."""
-    ZERO3 = "FSDP (ZeRO-3)"
-    """Everything sharded, parameters gathered per unit (labs.fsdp.FSDP)."""
-
-    @property
-    def stage(self) -> int:
-        return list(Strategy).index(self)
 
 
 class Group(enum.Enum):
@@ -64,7 +48,7 @@ class Group(enum.Enum):
 class MemoryReport:
     """One rank's snapshots of one training step (the last of ``settings.steps``)."""
 
-    strategy: Strategy
+    strategy: Wrapper
     world_size: int
     parameters: int
     """Trainable parameters of the model (P)."""
@@ -93,30 +77,21 @@ class MemoryReport:
 Observer = Callable[[enum.Enum, str], None]
 
 
-def _build(strategy: Strategy, settings: StepSettings, lr: float = 1e-3,
+def _build(strategy: Wrapper, settings: StepSettings, lr: float = 1e-3,
            observer: Observer | None = None) -> tuple[nn.Module, object]:
     """(model, optimizer) for ``strategy``; ``observer`` is handed to FSDP or ZeRO-2, which
     tell it an event (:class:`~labs.fsdp.Event` or :class:`~labs.zero.GradientEvent`) and the
     unit's or parameter's name."""
-    net = mlp(settings).to(rank_device())
-    if strategy is Strategy.DDP:
-        model = DDP(net, bucket_cap_mb=settings.bucket_cap_mb)
-        return model, torch.optim.Adam(model.parameters(), lr=lr)
-    if strategy is Strategy.ZERO3:
-        model = FSDP(net, observer=observer)
-        return model, torch.optim.Adam(model.parameters(), lr=lr)
-    stage = ZeroStage.OPTIMIZER if strategy is Strategy.ZERO1 else ZeroStage.GRADIENTS
-    optimizer = ShardedOptimizer(net.named_parameters(), torch.optim.Adam, stage=stage, lr=lr,
-                                 observer=observer)
-    return net, optimizer
+    return build(strategy, mlp(settings), torch.optim.Adam, lr=lr,
+                 bucket_cap_mb=settings.bucket_cap_mb, observer=observer)
 
 
-def holdings(strategy: Strategy, model: nn.Module, optimizer: object) -> dict[str, object]:
+def holdings(strategy: Wrapper, model: nn.Module, optimizer: object) -> dict[str, object]:
     """What a rank holds, by :class:`Group`, for :class:`~labs.memory.MemoryTimeline`.
 
     Parameters are registered detached (the same storage, without ``.grad``), so that the
     gradients can be counted in their own group."""
-    if strategy is Strategy.ZERO3:
+    if strategy is Wrapper.FSDP:
         assert isinstance(model, FSDP)
         params = [u.shard.detach() for u in model.units] + [u.full.detach() for u in model.units]
         params += [p.detach() for p in model.module.parameters()]  # frozen ones stay whole
@@ -125,7 +100,7 @@ def holdings(strategy: Strategy, model: nn.Module, optimizer: object) -> dict[st
         grads += [r.full_grad for r in in_flight]  # full gradients until their reduce lands
         buffers = [r.received for r in in_flight]
         state = optimizer
-    elif strategy is Strategy.DDP:
+    elif strategy is Wrapper.DDP:
         assert isinstance(model, DDP)
         params = [p.detach() for p in model.module.parameters()]
         grads = [p.grad for p in model.module.parameters()]
@@ -144,7 +119,7 @@ def holdings(strategy: Strategy, model: nn.Module, optimizer: object) -> dict[st
 
 
 def memory_worker(rank: int, world_size: int, settings: StepSettings,
-                  strategy: Strategy) -> MemoryReport:
+                  strategy: Wrapper) -> MemoryReport:
     """Train ``settings.steps`` Adam steps; snapshot the last one at every moment the
     strategy exposes: after forward, at each gather/free/reduce-scatter (FSDP) or each
     gradient's reduce-scatter (ZeRO-2), after backward, after the optimizer step."""
@@ -167,7 +142,7 @@ def memory_worker(rank: int, world_size: int, settings: StepSettings,
         if recording[0]:
             timeline.record("start of step", **holdings(strategy, model, optimizer))
         loss = model(x).square().mean()
-        if recording[0] and strategy is not Strategy.ZERO3:
+        if recording[0] and strategy is not Wrapper.FSDP:
             timeline.record("after forward", **holdings(strategy, model, optimizer))
         loss.backward()
         if isinstance(model, (DDP, FSDP)):
@@ -181,8 +156,8 @@ def memory_worker(rank: int, world_size: int, settings: StepSettings,
 
 
 def measure_memory(world_sizes: Sequence[int], settings: StepSettings,
-                   strategies: Sequence[Strategy] = tuple(Strategy), timeout: float = 300.0
-                   ) -> dict[tuple[Strategy, int], MemoryReport]:
+                   strategies: Sequence[Wrapper] = ZERO_STAGES, timeout: float = 300.0
+                   ) -> dict[tuple[Wrapper, int], MemoryReport]:
     """Rank 0's report for every strategy and world size (one launch each)."""
     return {(s, n): launch(memory_worker, n, args=(settings, s), echo=False,
                            timeout=timeout)[0]
@@ -193,7 +168,7 @@ def measure_memory(world_sizes: Sequence[int], settings: StepSettings,
 
 
 def traffic_worker(rank: int, world_size: int, settings: StepSettings,
-                   strategy: Strategy) -> tuple[int, int]:
+                   strategy: Wrapper) -> tuple[int, int]:
     """One training step with chapter 3 and 4's ring collectives and a Recorder; returns
     (bytes this rank sent, S). S is the bytes of the fp32 parameters, zero-padded to N equal
     shards for the sharded strategies; DDP is its all-reduce of the gradients (the ring, on
@@ -203,19 +178,19 @@ def traffic_worker(rank: int, world_size: int, settings: StepSettings,
     x = torch.randn(settings.batch, settings.width,
                     generator=torch.Generator().manual_seed(rank)).to(rank_device())
     padded = sum(4 * world_size * shard_numel(p.numel(), world_size) for p in net.parameters())
-    if strategy is Strategy.DDP:
+    if strategy is Wrapper.DDP:
         net(x).square().mean().backward()
         flat = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
         ring_all_reduce(flat, recorder=recorder)
         return recorder.stats.bytes_sent, 4 * flat.numel()
-    if strategy is Strategy.ZERO3:
+    if strategy is Wrapper.FSDP:
         model = FSDP(net, collectives=Algorithm.RING, recorder=recorder)
         padded = sum(4 * u.padded_numel for u in model.units)
         recorder.stats.bytes_sent = 0  # not the broadcast at construction
         model(x).square().mean().backward()
         model.finish_gradient_synchronization()
         return recorder.stats.bytes_sent, padded
-    stage = ZeroStage.OPTIMIZER if strategy is Strategy.ZERO1 else ZeroStage.GRADIENTS
+    stage = ZeroStage.OPTIMIZER if strategy is Wrapper.ZERO1 else ZeroStage.GRADIENTS
     optimizer = ShardedOptimizer(net.parameters(), torch.optim.SGD, stage=stage, lr=1e-3,
                                  recorder=recorder)
     net(x).square().mean().backward()
@@ -225,7 +200,7 @@ def traffic_worker(rank: int, world_size: int, settings: StepSettings,
 
 @dataclass(frozen=True)
 class TrafficRow:
-    strategy: Strategy
+    strategy: Wrapper
     world_size: int
     sent: int
     """Bytes rank 0 sent in one step."""
@@ -240,11 +215,11 @@ class TrafficRow:
     def expected(self) -> float:
         """The closed form, in multiples of S: 3(N-1)/N for ZeRO-3, 2(N-1)/N otherwise."""
         n = self.world_size
-        return (3 if self.strategy is Strategy.ZERO3 else 2) * (n - 1) / n
+        return (3 if self.strategy is Wrapper.FSDP else 2) * (n - 1) / n
 
 
 def measure_traffic(world_sizes: Sequence[int], settings: StepSettings,
-                    strategies: Sequence[Strategy] = tuple(Strategy)) -> list[TrafficRow]:
+                    strategies: Sequence[Wrapper] = ZERO_STAGES) -> list[TrafficRow]:
     rows = []
     for n in world_sizes:
         for strategy in strategies:
@@ -254,7 +229,7 @@ def measure_traffic(world_sizes: Sequence[int], settings: StepSettings,
 
 
 def lab_worker(rank: int, world_size: int, settings: StepSettings,
-               strategies: Sequence[Strategy]) -> tuple[dict[Strategy, MemoryReport],
+               strategies: Sequence[Wrapper]) -> tuple[dict[Wrapper, MemoryReport],
                                                         list[TrafficRow]]:
     """Chapter 6 in one launch (``python -m labs zero``, under torchrun too): for each
     strategy, this rank's memory report (:func:`memory_worker`) and one step's traffic

@@ -8,28 +8,28 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from labs.tables import format_table
-from labs.zero_experiments import (
+from labs.experiments.zero import (
     BytesPerParameter,
     Group,
     MemoryReport,
     Recipe,
-    Strategy,
     TrafficRow,
     bytes_per_parameter,
 )
+from labs.tables import format_table
+from labs.wrappers import ZERO_STAGES, Wrapper
 
 _GROUPS = (Group.PARAMETERS, Group.GRADIENTS, Group.OPTIMIZER)
 _COLOURS = {Group.PARAMETERS: "tab:blue", Group.GRADIENTS: "tab:orange",
             Group.OPTIMIZER: "tab:green", Group.BUFFERS: "tab:gray"}
 
 
-def closed_form(strategy: Strategy, world_size: int) -> BytesPerParameter:
+def closed_form(strategy: Wrapper, world_size: int) -> BytesPerParameter:
     """What the stage keeps per parameter after the step, fp32 Adam (the 16-byte recipe)."""
     return bytes_per_parameter(Recipe.FP32, strategy.stage, world_size)
 
 
-def memory_table(reports: dict[tuple[Strategy, int], MemoryReport]) -> str:
+def memory_table(reports: dict[tuple[Wrapper, int], MemoryReport]) -> str:
     """Bytes per parameter rank 0 held after the optimizer step and at its peak during the
     step (and where), measured, beside what the stage keeps by the closed form (fp32 Adam:
     what exists at once, before anything is gathered or in flight)."""
@@ -47,7 +47,7 @@ def memory_table(reports: dict[tuple[Strategy, int], MemoryReport]) -> str:
                          "peak at", "closed form: params + grads + Adam"], rows)
 
 
-def plot_memory_by_stage(reports: dict[tuple[Strategy, int], MemoryReport],
+def plot_memory_by_stage(reports: dict[tuple[Wrapper, int], MemoryReport],
                          title: str = "") -> Figure:
     """One panel per strategy: bytes per parameter held after the step, stacked by kind, for
     each world size; a black tick marks the peak during the step."""
@@ -120,7 +120,7 @@ def calculator_table(parameters: float, recipe: Recipe, world_size: int,
     """Bytes per parameter and GB per rank at every stage; with ``memory_bytes``, the
     largest model (model state only) that fits one rank."""
     rows = []
-    for strategy in Strategy:
+    for strategy in ZERO_STAGES:
         b = bytes_per_parameter(recipe, strategy.stage, world_size)
         row = [strategy.value, f"{b.parameters:g}", f"{b.gradients:g}", f"{b.optimizer:g}",
                f"{b.total:g}", f"{parameters * b.total / 1e9:.2f}"]
@@ -136,12 +136,12 @@ def calculator_table(parameters: float, recipe: Recipe, world_size: int,
 
 def plot_calculator(parameters: float, recipe: Recipe, world_size: int) -> Figure:
     fig, ax = plt.subplots(figsize=(7, 3), layout="constrained")
-    names = [s.value for s in Strategy]
+    names = [s.value for s in ZERO_STAGES]
     bottom = [0.0] * len(names)
     for group, attr in ((Group.PARAMETERS, "parameters"), (Group.GRADIENTS, "gradients"),
                         (Group.OPTIMIZER, "optimizer")):
         values = [getattr(bytes_per_parameter(recipe, s.stage, world_size), attr)
-                  * parameters / 1e9 for s in Strategy]
+                  * parameters / 1e9 for s in ZERO_STAGES]
         ax.barh(names, values, left=bottom, color=_COLOURS[group], label=group.value)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.invert_yaxis()

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs.ddp_experiments import Implementation, synchronise, wrap
+from labs.experiments.ddp import synchronise
 from labs.launcher import rank_device
+from labs.wrappers import Wrapper, wrap
 
 
 class TwoHeads(nn.Module):
@@ -39,11 +40,11 @@ class TwoHeads(nn.Module):
         return out + self.aux_head(h) if use_aux else out
 
 
-def unused_parameter_worker(rank: int, world_size: int, implementation: Implementation,
+def unused_parameter_worker(rank: int, world_size: int, wrapper: Wrapper,
                             find_unused: bool, steps: int = 3) -> str:
     """Train ``steps`` steps of :class:`TwoHeads` without its ``aux_head``."""
     model = TwoHeads().to(rank_device())
-    if implementation is Implementation.TORCH:
+    if wrapper is Wrapper.TORCH_DDP:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, find_unused_parameters=find_unused)
@@ -108,10 +109,10 @@ class ChangeAfterWrapping(enum.Enum):
 
 
 def change_after_wrapping_worker(rank: int, world_size: int, change: ChangeAfterWrapping,
-                                 implementation: Implementation, steps: int = 5) -> Drift:
+                                 wrapper: Wrapper, steps: int = 5) -> Drift:
     """Wrap, make ``change``, train ``steps`` steps on rank-specific data, then measure the
     largest difference between this rank's parameters and rank 0's."""
-    model = wrap(implementation, TwoHeads(), 25.0)
+    model = wrap(wrapper, TwoHeads(), 25.0)
     if change is ChangeAfterWrapping.RANK0_EDITS_WEIGHTS and rank == 0:
         with torch.no_grad():
             model.module.trunk.weight.mul_(2)
@@ -168,7 +169,7 @@ def checkpoint_worker(rank: int, world_size: int, path: str) -> CheckpointReport
     a barrier; every rank loads it with ``map_location`` set to its own device into a model
     built from a seed of its own, so only the load can make the two equal."""
     device = rank_device()
-    model = wrap(Implementation.OURS, TwoHeads(), 25.0)
+    model = wrap(Wrapper.DDP, TwoHeads(), 25.0)
     if rank == 0:
         tmp = f"{path}.tmp"
         torch.save(model.module.state_dict(), tmp)
@@ -188,11 +189,11 @@ def checkpoint_worker(rank: int, world_size: int, path: str) -> CheckpointReport
                             differed, same(), str(next(iter(state.values())).device))
 
 
-def seeding_worker(rank: int, world_size: int, implementation: Implementation) -> float:
+def seeding_worker(rank: int, world_size: int, wrapper: Wrapper) -> float:
     """Build the model from a *different* seed on every rank, wrap it, and return the
     largest difference from rank 0's parameters right after wrapping."""
     torch.manual_seed(100 + rank)
     net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    if implementation is not Implementation.LOCAL:
-        wrap(implementation, net, 25.0)
+    if wrapper is not Wrapper.LOCAL:
+        wrap(wrapper, net, 25.0)
     return _difference_from_rank0(net.parameters())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from labs.ddp_experiments import StepSettings, default_cases, measure_step_times
+from labs.experiments.ddp import StepSettings, default_cases, measure_step_times
 
 #: The benchmark's default model: 10 x Linear(1024, 1024), 10.5 M parameters.
 DEFAULT_SETTINGS = StepSettings(width=1024, layers=10, batch=64, steps=20, warmup=3)
@@ -38,7 +38,7 @@ def add_ddp_parser(sub: Any) -> None:
 
 
 def ddp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from labs.viz_ddp import step_time_table  # matplotlib: not in the ranks
+    from labs.viz.ddp import step_time_table  # matplotlib: not in the ranks
 
     try:
         settings = StepSettings(width=opts.width, layers=opts.layers, batch=opts.batch,

@@ -19,9 +19,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from labs.collectives import Phase, RingStep, shard_bounds
-from labs.experiments import TrafficRow
+from labs.experiments.collectives import TrafficRow
+from labs.experiments.timing import CollectiveTiming, format_size
 from labs.tables import values_text
-from labs.timing import CollectiveTiming, format_size
 from labs.toy_allreduce import ToyRankRecord
 
 

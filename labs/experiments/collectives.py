@@ -6,7 +6,7 @@ settings (before any process starts), launches the worker and returns plain resu
 
 * **ring trace** (:class:`TraceSettings`, :func:`run_ring_trace`): every step of a ring
   all-reduce, reduce-scatter or all-gather of a tiny tensor, with the values that travelled;
-  the tables and the animation of :mod:`labs.viz` are drawn from it.
+  the tables and the animation of :mod:`labs.viz.collectives` are drawn from it.
 * **traffic** (:class:`TrafficSettings`, :func:`measure_traffic`): messages and bytes each
   rank really sent and received, per algorithm, beside the closed forms
   (:func:`expected_traffic`).
@@ -46,8 +46,8 @@ from labs.collectives import (
     ring_reduce_scatter,
     shard_bounds,
 )
+from labs.experiments.timing import COMM_THREADS
 from labs.launcher import MAX_WORLD_SIZE, Backend, launch
-from labs.timing import COMM_THREADS
 
 # --- the ring trace ---------------------------------------------------------------------------
 

@@ -8,33 +8,33 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from labs.ddp_experiments import (
+from labs.experiments.ddp import (
     AccumulationRow,
     BackwardTimeline,
-    Implementation,
     SamplerView,
     Span,
     StepTimeRow,
     cap_text,
 )
 from labs.tables import format_table
+from labs.wrappers import Wrapper
 
 _COLOURS = {
-    Implementation.LOCAL: "tab:gray",
-    Implementation.NAIVE: "tab:red",
-    Implementation.OURS: "tab:blue",
-    Implementation.TORCH: "tab:green",
+    Wrapper.LOCAL: "tab:gray",
+    Wrapper.NAIVE: "tab:red",
+    Wrapper.DDP: "tab:blue",
+    Wrapper.TORCH_DDP: "tab:green",
 }
 
 
 def step_time_table(rows: Sequence[StepTimeRow]) -> str:
     """Median step time per case, the all-reduces per step, and the ratio to torch DDP."""
     torch_rows = {r.case.bucket_cap_mb: r.seconds for r in rows
-                  if r.case.implementation is Implementation.TORCH}
+                  if r.case.wrapper is Wrapper.TORCH_DDP}
     table = []
     for r in rows:
         reference = torch_rows.get(r.case.bucket_cap_mb)
-        bucketed = r.case.implementation in (Implementation.OURS, Implementation.TORCH)
+        bucketed = r.case.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP)
         ratio = f"{r.seconds / reference:.2f}x" if reference and bucketed else "-"
         table.append([r.case.label, f"{r.seconds * 1e3:.1f}", r.buckets, ratio])
     return format_table(["implementation", "ms per step", "all-reduces per step",
@@ -46,7 +46,7 @@ def plot_step_times(rows: Sequence[StepTimeRow], title: str = "") -> Figure:
     fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)), layout="constrained")
     labels = [r.case.label for r in rows]
     values = [r.seconds * 1e3 for r in rows]
-    ax.barh(labels, values, color=[_COLOURS[r.case.implementation] for r in rows])
+    ax.barh(labels, values, color=[_COLOURS[r.case.wrapper] for r in rows])
     for y, (value, row) in enumerate(zip(values, rows, strict=True)):
         ax.text(value, y, f" {value:.1f} ms, {row.buckets} all-reduce(s)", va="center",
                 fontsize="small")
@@ -61,8 +61,8 @@ def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "") -> Figure:
     """Step time against bucket cap for labs' DDP and torch's, with NaiveDDP and the
     no-communication floor as horizontal lines."""
     fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
-    for impl in (Implementation.OURS, Implementation.TORCH):
-        mine = sorted((r for r in rows if r.case.implementation is impl),
+    for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
+        mine = sorted((r for r in rows if r.case.wrapper is impl),
                       key=lambda r: r.case.bucket_cap_mb)
         caps = [r.case.bucket_cap_mb for r in mine]
         ax.plot(caps, [r.seconds * 1e3 for r in mine], "o-", color=_COLOURS[impl],
@@ -71,14 +71,14 @@ def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "") -> Figure:
             ax.annotate(str(r.buckets), (r.case.bucket_cap_mb, r.seconds * 1e3),
                         textcoords="offset points", xytext=(0, 6), ha="center",
                         fontsize="x-small", color=_COLOURS[impl])
-    for impl, style in ((Implementation.NAIVE, "--"), (Implementation.LOCAL, ":")):
+    for impl, style in ((Wrapper.NAIVE, "--"), (Wrapper.LOCAL, ":")):
         for r in rows:
-            if r.case.implementation is impl:
+            if r.case.wrapper is impl:
                 ax.axhline(r.seconds * 1e3, ls=style, color=_COLOURS[impl],
                            label=f"{impl.value} ({r.buckets} all-reduces)")
     ax.set_xscale("log", base=2)
     caps = sorted({r.case.bucket_cap_mb for r in rows
-                   if r.case.implementation in (Implementation.OURS, Implementation.TORCH)})
+                   if r.case.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP)})
     ax.set_xticks(caps, [cap_text(c) for c in caps])
     ax.minorticks_off()
     ax.set(xlabel="bucket_cap_mb (log scale); numbers: buckets per step",
@@ -89,7 +89,7 @@ def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "") -> Figure:
     return fig
 
 
-def plot_timeline(timelines: dict[Implementation, BackwardTimeline], title: str = "") -> Figure:
+def plot_timeline(timelines: dict[Wrapper, BackwardTimeline], title: str = "") -> Figure:
     """A Gantt chart of one backward pass per implementation, from measured timestamps:
     the backward computation, the moment each gradient was ready, and each all-reduce from
     launch to completion. Time 0 is the start of ``loss.backward()``."""
@@ -134,7 +134,7 @@ def _covered(spans: Sequence[Span], until: float) -> float:
 
 
 def accumulation_table(rows: Sequence[AccumulationRow]) -> str:
-    table = [[r.implementation.value, "yes" if r.no_sync else "no", r.accumulation,
+    table = [[r.wrapper.value, "yes" if r.no_sync else "no", r.accumulation,
               f"{r.allreduces:g}", f"{r.seconds * 1e3:.1f}"] for r in rows]
     return format_table(["implementation", "no_sync()", "micro-batches", "all-reduces per step",
                          "ms per optimizer step"], table)

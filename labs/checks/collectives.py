@@ -16,16 +16,15 @@ float32, so every sum is exact and the comparison is ``torch.equal``. Inside eve
   more than the formula when chunks are uneven.
 
 ``seed=0`` runs the documented cases; any other seed also draws three numels and one extra
-world size (up to 6) from ``random.Random(seed)``, and the verdict names them.
+world size (up to 6) from ``random.Random(seed)``, and the verdict names them. The cases are
+in :mod:`labs.checks.collectives_cases`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import math
-import random
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,25 +34,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from labs.checks import (
-    CASE_NOTE,
-    CHECK_FAILURE_GRACE_S,
+from labs.checks.collectives_cases import Case, Exercise, Plan, gather_full, rank_input
+from labs.checks.core import (
     CHECK_TIMEOUT_S,
     CheckResult,
-    case_values,
-    clean_traceback,
-    explain_hang,
+    case_noted,
+    failed_case,
     failing_rank,
     first_difference,
-    ranks_text,
-    report,
+    listed,
+    raised,
+    run_check,
     signature_problem,
     validate_check_call,
 )
+from labs.checks.watch import COLLECTIVE_METHODS, Traffic, counted_collectives, patched
 from labs.collectives import Collective, shard_bounds
-from labs.launcher import LaunchTimeout, RankError, launch
+from labs.launcher import LaunchTimeout, RankError
 
-#: The collectives of torch.distributed a learner might reach for; inside a check each raises.
+#: The collectives of torch.distributed a learner might reach for; inside a check each raises
+#: (and so do the methods of ProcessGroup they call, watch.COLLECTIVE_METHODS).
 _COLLECTIVES = (
     "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
     "all_gather_into_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather",
@@ -61,164 +61,14 @@ _COLLECTIVES = (
     "all_gather_coalesced", "all_gather_object", "broadcast_object_list", "gather_object",
     "scatter_object_list",
 )
-#: The same collectives as methods of ProcessGroup: they catch a function imported by name
-#: before the check started (``from torch.distributed import all_reduce``).
-_GROUP_COLLECTIVES = (
-    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall",
-    "alltoall_base", "all_to_all_single", "broadcast", "reduce", "gather", "scatter",
-)
 _P2P = "dist.isend/irecv, send/recv, batch_isend_irecv"
-_BIG_NUMELS = (300, 301)  #: a few hundred elements: one divisible by N <= 6, one not
-_DRAWN_NUMELS = 3
-_DRAWN_MAX_NUMEL = 400
-_DRAWN_MAX_WORLD = 6
 
 
 class CollectiveUsedError(RuntimeError):
     """Raised inside a check's ranks when the learner's code calls a built-in collective."""
 
 
-class Exercise(enum.Enum):
-    """The exercises of chapters 2-4 that these checks run."""
-
-    #: ``ring_all_reduce(tensor)``: sums ``tensor`` over all ranks, in place, by ring.
-    RING_ALL_REDUCE = "2.1"
-    #: ``ring_reduce_scatter(tensor) -> Tensor``: chunk r of the flattened sum, input unchanged.
-    RING_REDUCE_SCATTER = "3.1"
-    #: ``ring_all_gather(shard, numel) -> Tensor``: every rank's shard in rank order.
-    RING_ALL_GATHER = "4.1"
-    #: ``all_reduce(tensor)``: in place, a reduce-scatter followed by an all-gather.
-    COMPOSED_ALL_REDUCE = "4.2"
-
-    @property
-    def function(self) -> str:
-        return {
-            Exercise.RING_ALL_REDUCE: "ring_all_reduce",
-            Exercise.RING_REDUCE_SCATTER: "ring_reduce_scatter",
-            Exercise.RING_ALL_GATHER: "ring_all_gather",
-            Exercise.COMPOSED_ALL_REDUCE: "all_reduce",
-        }[self]
-
-    @property
-    def title(self) -> str:
-        return f"Exercise {self.value} {self.function}"
-
-    @property
-    def collective(self) -> Collective:
-        return {
-            Exercise.RING_ALL_REDUCE: Collective.ALL_REDUCE,
-            Exercise.RING_REDUCE_SCATTER: Collective.REDUCE_SCATTER,
-            Exercise.RING_ALL_GATHER: Collective.ALL_GATHER,
-            Exercise.COMPOSED_ALL_REDUCE: Collective.ALL_REDUCE,
-        }[self]
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return ("shard", "numel") if self is Exercise.RING_ALL_GATHER else ("tensor",)
-
-    @property
-    def phases(self) -> int:
-        """Ring passes: 2 for an all-reduce (reduce-scatter, then all-gather), else 1."""
-        return 2 if self.collective is Collective.ALL_REDUCE else 1
-
-    def builds(self, name: str) -> bool:
-        """True when the torch.distributed function ``name`` is the collective being built."""
-        stem = {Collective.ALL_REDUCE: "all_reduce", Collective.REDUCE_SCATTER: "reduce_scatter",
-                Collective.ALL_GATHER: "all_gather"}[self.collective]
-        return name.replace("_", "").startswith(stem.replace("_", ""))
-
-
-# --- the cases ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Case:
-    """One input shape; the values follow from (seed, world size, case index, rank)."""
-
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def uneven(self, world_size: int) -> bool:
-        """True when numel does not divide by N (some chunks longer, or empty)."""
-        return self.numel % world_size != 0
-
-    def describe(self) -> str:
-        if len(self.shape) == 1:
-            return f"numel {self.numel}"
-        return f"a 2-D tensor of shape {tuple(self.shape)} (numel {self.numel})"
-
-
-def _prime_above(n: int) -> int:
-    """The smallest prime >= 2n+3: larger than n, so n (>= 2) does not divide it."""
-    p = 2 * n + 3
-    while any(p % d == 0 for d in range(2, math.isqrt(p) + 1)):
-        p += 1
-    return p
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one check runs: the world sizes and, per world size, the cases."""
-
-    seed: int
-    world_sizes: tuple[int, ...]
-    drawn_world_size: int | None
-    drawn_numels: tuple[int, ...]
-
-    @classmethod
-    def make(cls, world_sizes: Sequence[int], seed: int) -> _Plan:
-        sizes = tuple(world_sizes)
-        if seed == 0:
-            return cls(seed, sizes, None, ())
-        rng = random.Random(seed)
-        numels = tuple(rng.randint(1, _DRAWN_MAX_NUMEL) for _ in range(_DRAWN_NUMELS))
-        spare = [n for n in range(2, _DRAWN_MAX_WORLD + 1) if n not in sizes]
-        extra = rng.choice(spare) if spare else None
-        return cls(seed, sizes + ((extra,) if extra else ()), extra, numels)
-
-    def cases(self, exercise: Exercise, n: int) -> tuple[_Case, ...]:
-        """Divisible sizes first (N, 2-D, 300), then the awkward ones (1, N-1, a prime, 301),
-        then the drawn ones; duplicates dropped."""
-        shapes: list[tuple[int, ...]] = [(n,)]
-        if exercise is not Exercise.RING_ALL_GATHER:
-            shapes.append((3, 2 * n))
-        shapes += [(_BIG_NUMELS[0],), (1,), (n - 1,), (_prime_above(n),), (_BIG_NUMELS[1],)]
-        shapes += [(k,) for k in self.drawn_numels]
-        unique = dict.fromkeys(s for s in shapes if math.prod(s) > 0)
-        return tuple(_Case(s) for s in unique)
-
-    def note(self) -> str:
-        if self.seed == 0:
-            return ""
-        extra = f"world size {self.drawn_world_size} and " if self.drawn_world_size else ""
-        numels = ", ".join(map(str, self.drawn_numels))
-        return f" [seed {self.seed} drew {extra}numels {numels}; pass seed={self.seed} to rerun]"
-
-
-def _rank_input(seed: int, n: int, index: int, rank: int, case: _Case) -> torch.Tensor:
-    """Rank ``rank``'s tensor (all-reduce, reduce-scatter)."""
-    return case_values(seed, n, index, rank, case.numel).view(case.shape)
-
-
-def _gather_full(seed: int, n: int, index: int, case: _Case) -> torch.Tensor:
-    """The tensor whose chunks the all-gather ranks hold (rank i holds chunk i)."""
-    return case_values(seed, n, index, -1, case.numel)
-
-
 # --- inside every rank ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Traffic:
-    """Bytes this rank sent through ProcessGroup.send since the last reset."""
-
-    bytes_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,65 +96,41 @@ def _refuse(exercise: Exercise, name: str, qualified: str) -> Callable[..., NoRe
 
 
 @contextlib.contextmanager
-def _point_to_point_only(exercise: Exercise) -> Iterator[_Traffic]:
+def _point_to_point_only(exercise: Exercise) -> Iterator[Traffic]:
     """Inside: built-in collectives raise and every send is counted. The learner's code looks
     ``dist.all_reduce`` up when it runs, so patching the module attributes reaches it; the
     ProcessGroup methods catch functions imported by name earlier. All restored on exit."""
-    traffic = _Traffic()
-    group_class = distributed_c10d.ProcessGroup
-    saved: list[tuple[object, str, object]] = []
-
-    def patch(owner: object, name: str, new: object) -> None:
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, new)
-
-    original_send = group_class.send
-
-    def counted_send(self: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        traffic.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        return original_send(self, tensors, *args, **kwargs)
-
-    try:
-        for module in (dist, distributed_c10d):
-            for name in _COLLECTIVES:
-                if hasattr(module, name):
-                    patch(module, name, _refuse(exercise, name, f"dist.{name}"))
-        for name in _GROUP_COLLECTIVES:
-            if hasattr(group_class, name):
-                patch(group_class, name, _refuse(exercise, name, f"ProcessGroup.{name}"))
-        patch(group_class, "send", counted_send)
+    functions = [(module, name, _refuse(exercise, name, f"dist.{name}"))
+                 for module in (dist, distributed_c10d) for name in _COLLECTIVES
+                 if hasattr(module, name)]
+    methods = {name: _refuse(exercise, name, f"ProcessGroup.{name}")
+               for name in COLLECTIVE_METHODS}
+    with patched(functions), counted_collectives(methods) as traffic:
         yield traffic
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
 
 
 def _call(fn: Callable[..., Any], exercise: Exercise, seed: int, n: int, rank: int, index: int,
-          case: _Case) -> tuple[torch.Tensor, object]:
+          case: Case) -> tuple[torch.Tensor, object]:
     if exercise is Exercise.RING_ALL_GATHER:
         bounds = shard_bounds(case.numel, n)
-        shard = _gather_full(seed, n, index, case)[bounds[rank]:bounds[rank + 1]].clone()
+        shard = gather_full(seed, n, index, case)[bounds[rank]:bounds[rank + 1]].clone()
         return shard, fn(shard, case.numel)
-    tensor = _rank_input(seed, n, index, rank, case)
+    tensor = rank_input(seed, n, index, rank, case)
     return tensor, fn(tensor)
 
 
 def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Exercise,
-              cases: tuple[_Case, ...], seed: int) -> list[_Outcome]:
+              cases: tuple[Case, ...], seed: int) -> list[_Outcome]:
     """Runs every case on this rank, with collectives refused and sends counted."""
     outcomes = []
     with _point_to_point_only(exercise) as traffic:
         for index, case in enumerate(cases):
-            traffic.bytes_sent = 0
-            try:
+            traffic.sent = 0.0
+            with case_noted(index):
                 after, returned = _call(fn, exercise, seed, world_size, rank, index, case)
-            except BaseException as exc:
-                if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
-                    exc.add_note(f"{CASE_NOTE} {index}")
-                raise
             copy = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
             outcomes.append(_Outcome(after.detach().clone(), copy, type(returned).__name__,
-                                     traffic.bytes_sent))
+                                     int(traffic.sent)))  # sends only: whole bytes
     return outcomes
 
 
@@ -334,8 +160,8 @@ def _subset_sum(got: torch.Tensor, parts: Sequence[torch.Tensor]) -> tuple[int, 
 
 def _partial(ranks: tuple[int, ...], n: int) -> str:
     missing = [r for r in range(n) if r not in ranks]
-    return (f"the sum over rank(s) {ranks_text(ranks)} only, missing rank(s) "
-            f"{ranks_text(missing)}")
+    return (f"the sum over rank(s) {listed(ranks)} only, missing rank(s) "
+            f"{listed(missing)}")
 
 
 _STEPS_HINT = ("every chunk must collect all N contributions, which takes N-1 reduce-scatter "
@@ -479,7 +305,7 @@ def _judge_all_gather(n: int, full: torch.Tensor, outcomes: list[_Outcome]) -> s
                     "arrived. The ring takes N-1 steps: each rank sends a shard to its right "
                     "neighbour and stores the one from its left, then forwards that one on.")
         if placed:
-            return (f"rank {r}: the shard(s) of rank(s) {ranks_text(missing)} never arrived; "
+            return (f"rank {r}: the shard(s) of rank(s) {listed(missing)} never arrived; "
                     "the ring takes N-1 steps, each forwarding the shard received in the step "
                     "before.")
         return f"rank {r}: " + first_difference(got, full, "the gathered tensor") + "."
@@ -490,17 +316,17 @@ def _judge_all_gather(n: int, full: torch.Tensor, outcomes: list[_Outcome]) -> s
     return ""
 
 
-def _judge_case(exercise: Exercise, seed: int, n: int, index: int, case: _Case,
+def _judge_case(exercise: Exercise, seed: int, n: int, index: int, case: Case,
                 outcomes: list[_Outcome]) -> str:
     if exercise is Exercise.RING_ALL_GATHER:
-        return _judge_all_gather(n, _gather_full(seed, n, index, case), outcomes)
-    inputs = [_rank_input(seed, n, index, r, case) for r in range(n)]
+        return _judge_all_gather(n, gather_full(seed, n, index, case), outcomes)
+    inputs = [rank_input(seed, n, index, r, case) for r in range(n)]
     if exercise is Exercise.RING_REDUCE_SCATTER:
         return _judge_reduce_scatter(n, inputs, outcomes)
     return _judge_all_reduce(exercise, n, inputs, outcomes)
 
 
-def _pattern(exercise: Exercise, n: int, cases: tuple[_Case, ...], failed: list[int]) -> str:
+def _pattern(exercise: Exercise, n: int, cases: tuple[Case, ...], failed: list[int]) -> str:
     """A hint when the failing cases share what the passing ones lack."""
     passed = [i for i in range(len(cases)) if i not in failed]
     if not passed:
@@ -519,7 +345,7 @@ def _pattern(exercise: Exercise, n: int, cases: tuple[_Case, ...], failed: list[
     return ""
 
 
-def _judge_values(exercise: Exercise, seed: int, n: int, cases: tuple[_Case, ...],
+def _judge_values(exercise: Exercise, seed: int, n: int, cases: tuple[Case, ...],
                   results: Sequence[list[_Outcome]]) -> str:
     verdicts = {i: _judge_case(exercise, seed, n, i, case, [res[i] for res in results])
                 for i, case in enumerate(cases)}
@@ -542,7 +368,7 @@ def _chunk_count(exercise: Exercise) -> str:
     return {2: "2(N-1)", 1: "N-1"}[exercise.phases]
 
 
-def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
+def _judge_traffic(exercise: Exercise, n: int, cases: tuple[Case, ...],
                    results: Sequence[list[_Outcome]]) -> str:
     if n == 1:
         return ""
@@ -586,38 +412,31 @@ def _judge_traffic(exercise: Exercise, n: int, cases: tuple[_Case, ...],
 # --- judging failures ---------------------------------------------------------------------------
 
 
-def _explain_error(exercise: Exercise, n: int, cases: tuple[_Case, ...], err: RankError) -> str:
-    first_line = str(err).splitlines()[0]
+def _explain_error(n: int, cases: tuple[Case, ...], err: RankError) -> str:
     named = failing_rank(err)
-    rank, tb = named.rank, named.traceback
     if err.exc_type == "RankDied":
-        how = named.message
-        return (f"with {n} rank(s), rank {rank} died ({how}). gloo ends a process when a "
-                "message does not fit the buffer posted to receive it: every send needs a "
-                "receive of the same number of elements on the other side; check the chunk "
-                f"sizes ({_CHUNKS_HINT}).")
-    found = re.search(re.escape(CASE_NOTE) + r" (\d+)", tb)
-    case = cases[int(found.group(1))] if found else None
+        return (f"with {n} rank(s), rank {named.rank} died ({named.message}). gloo ends a "
+                "process when a message does not fit the buffer posted to receive it: every "
+                "send needs a receive of the same number of elements on the other side; check "
+                f"the chunk sizes ({_CHUNKS_HINT}).")
+    case = failed_case(named.traceback, cases)
     where = f"with {n} rank(s), {case.describe()}" if case else f"with {n} rank(s)"
     if err.exc_type == CollectiveUsedError.__name__:
-        called = re.search(r"Exercise [\d.]+: use only.*", tb)
-        return f"{where}: {called.group(0) if called else first_line}."
+        called = re.search(r"Exercise [\d.]+: use only.*", named.traceback)
+        return f"{where}: {called.group(0) if called else str(err).splitlines()[0]}."
     hint = ""
     if case is not None and case.uneven(n):
         hint = (f" {n} does not divide {case.numel}: if it works when it does, check the chunk "
                 f"sizes ({_CHUNKS_HINT}; some chunks are empty when numel < N).")
     elif case is not None and len(case.shape) > 1:
         hint = " The input is 2-D: work on tensor.view(-1)."
-    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{clean_traceback(tb, __file__)}"
+    return f"{where}: {raised(named, hint)}"
 
 
-def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,
-                     timeout: float) -> str:
-    numels = ", ".join(str(c.numel) for c in cases)
-    verdict, where = explain_hang(n, err, timeout)
-    if verdict is not None:
-        return verdict
-    return (f"with {n} rank(s) (numel {numels}), rank(s) {ranks_text(err.ranks)} hung for "
+def _explain_timeout(n: int, cases: tuple[Case, ...], err: LaunchTimeout, timeout: float,
+                     where: str) -> str:
+    numels = listed(c.numel for c in cases)
+    return (f"with {n} rank(s) (numel {numels}), rank(s) {listed(err.ranks)} hung for "
             f"{timeout:g} s.{where} Every send needs a matching receive: on a ring, post the "
             "receive (dist.irecv) before waiting on the send, or use dist.batch_isend_irecv for "
             "each step; a blocking dist.send or dist.recv on every rank at once waits forever.")
@@ -629,29 +448,27 @@ def _explain_timeout(n: int, cases: tuple[_Case, ...], err: LaunchTimeout,
 def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int], seed: int,
            timeout: float) -> CheckResult:
     validate_check_call(fn, world_sizes, seed, timeout)
-    plan = _Plan.make(world_sizes, seed)
+    plan = Plan.make(world_sizes, seed)
 
-    def fail(message: str) -> CheckResult:
-        return report(CheckResult(exercise.title, False, message + plan.note()))
-
-    problem = signature_problem(exercise.function, exercise.parameters, fn)
-    if problem:
-        return fail(problem)
-    for n in plan.world_sizes:
+    def judge(n: int, results: Sequence[list[_Outcome]]) -> str:
         cases = plan.cases(exercise, n)
-        try:
-            # gloo even where there are GPUs: the inputs are CPU tensors.
-            results = launch(_rank_run, n, args=(fn, exercise, cases, seed), backend="gloo",
-                             timeout=timeout, echo=False, failure_grace=CHECK_FAILURE_GRACE_S)
-        except RankError as err:
-            return fail(_explain_error(exercise, n, cases, err))
-        except LaunchTimeout as err:
-            return fail(_explain_timeout(n, cases, err, timeout))
-        verdict = (_judge_values(exercise, seed, n, cases, results)
-                   or _judge_traffic(exercise, n, cases, results))
-        if verdict:
-            return fail(verdict)
-    sizes = ", ".join(map(str, plan.world_sizes))
+        return (_judge_values(exercise, seed, n, cases, results)
+                or _judge_traffic(exercise, n, cases, results))
+
+    return run_check(
+        exercise.title, plan, timeout,
+        worker=_rank_run,
+        args=lambda n: (fn, exercise, plan.cases(exercise, n), seed),
+        judge=judge,
+        explain_error=lambda n, err: _explain_error(n, plan.cases(exercise, n), err),
+        explain_timeout=lambda n, err, where: _explain_timeout(
+            n, plan.cases(exercise, n), err, timeout, where),
+        passed=_passed(exercise, plan),
+        problem=signature_problem(exercise.function, exercise.parameters, fn),
+    )
+
+
+def _passed(exercise: Exercise, plan: Plan) -> str:
     what = {
         Collective.ALL_REDUCE: "exact sums on every rank",
         Collective.REDUCE_SCATTER: "rank r gets exactly chunk r of the sum, input unchanged",
@@ -661,12 +478,9 @@ def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int
     if exercise is not Exercise.RING_ALL_GATHER:
         shapes += ", and a 2-D (3, 2N) tensor"
     bound = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
-    return report(CheckResult(
-        exercise.title, True,
-        f"{what}, with {sizes} rank(s) and numel {shapes}; no rank sent more than "
-        f"{_chunk_count(exercise)} chunks of ceil(numel/N) elements (the ring's {bound}, "
-        f"rounded up to whole chunks), and no built-in collective was used.{plan.note()}",
-    ))
+    return (f"{what}, with {listed(plan.world_sizes)} rank(s) and numel {shapes}; no rank sent "
+            f"more than {_chunk_count(exercise)} chunks of ceil(numel/N) elements (the ring's "
+            f"{bound}, rounded up to whole chunks), and no built-in collective was used.")
 
 
 def check_ring_all_reduce(

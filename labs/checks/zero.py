@@ -3,7 +3,7 @@ gradient reduce-scatter, each run on real ranks.
 
 All three exercises share ZeRO's layout (Rajbhandari et al., arXiv 1910.02054): a tensor of
 ``numel`` elements is flattened and zero-padded to ``N * k`` elements, ``k = ceil(numel / N)``,
-and rank r owns elements ``[r*k, (r+1)*k)``.
+and rank r owns elements ``[r*k, (r+1)*k)`` (:mod:`labs.checks.zero_cases`, with the cases).
 
 * 6.1 ``sharded_sgd_step(params, momentum_shards, lr, beta)``: rank r updates only its shard of
   every parameter (``m = beta * m + g_shard``, ``p_shard -= lr * m``, with ``m`` its k-element
@@ -21,13 +21,10 @@ atol=1e-6. The learner's function is called under ``torch.no_grad()`` (as an opt
 an inference forward run) inside an :class:`~labs.memory.AllocationTracker`, which tells which
 storages made during the call are still alive after it (read once every case has run: gloo
 lets go of a finished collective's tensors a little after ``wait()`` returns). Inside every
-rank each collective of ``ProcessGroup`` (what ``dist.*`` calls, however the learner reached it,
-and the point-to-point sends of :mod:`labs.collectives`) is counted at its ring cost, the
-bytes a rank sends: (N-1)·b for an all-gather of b bytes per rank, (N-1)·b for a
-reduce-scatter into b bytes, 2(N-1)/N·b for an all-reduce of b bytes, b for a send or a
-broadcast. An all-gather or a reduce-scatter of the padded tensor (S = N·k·4 bytes) costs
-exactly (N-1)/N·S; each rank may send no more. Exercise 6.3 refuses all-reduces outright.
-Everything patched is restored.
+rank each collective (and each send of :mod:`labs.collectives`) is counted at its ring cost
+(:func:`labs.checks.watch.counted_collectives`): an all-gather or a reduce-scatter of the
+padded tensor (S = N·k·4 bytes) costs exactly (N-1)/N·S; each rank may send no more.
+Exercise 6.3 refuses all-reduces outright.
 
 ``seed=0`` runs the documented cases; any other seed also draws one more world size (5 or 6)
 and other shapes from ``random.Random(seed)``, and the verdict names them.
@@ -35,271 +32,64 @@ and other shapes from ``random.Random(seed)``, and the verdict names them.
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import gc
-import math
-import random
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import distributed_c10d
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from labs.checks import (
-    CASE_NOTE,
-    CHECK_FAILURE_GRACE_S,
+from labs.checks.collectives import CollectiveUsedError
+from labs.checks.core import (
     CHECK_TIMEOUT_S,
     CheckResult,
-    case_values,
-    clean_traceback,
-    explain_hang,
+    case_noted,
+    failed_case,
     failing_rank,
     first_difference,
-    ranks_text,
-    report,
+    listed,
+    raised,
+    run_check,
     signature_problem,
     validate_check_call,
 )
-from labs.checks_collectives import CollectiveUsedError
-from labs.launcher import LaunchTimeout, RankError, launch
+from labs.checks.watch import GROUP_METHODS, Kind, Traffic, counted_collectives
+from labs.checks.zero_cases import (
+    BETA,
+    LINEARS,
+    LR,
+    SHAPES,
+    STEPS,
+    TOGETHER,
+    Case,
+    Plan,
+    ZeroExercise,
+    flat_linear,
+    linear_inputs,
+    pad_flat,
+    rank_grad,
+    sgd_reference,
+    shapes_text,
+    shard_of,
+    start_param,
+    step_grad,
+)
+from labs.launcher import LaunchTimeout, RankError
 from labs.memory import AllocationTracker
 from labs.zero import shard_numel
 
-STEPS = 3  #: steps of exercise 6.1 per case
-LR, BETA = 0.25, 0.5  #: powers of two: every value of 6.1 stays exact in float32
 RTOL = ATOL = 1e-6  #: 6.3's tolerance (a mean over 3 ranks is not exact in binary)
-BATCH = 3  #: rows of 6.2's input x
 _F32 = 4  #: bytes per element: every tensor of these checks is float32
-#: Parameter and gradient shapes of 6.1 and 6.3: 24 elements (divisible by 1, 2, 3, 4, 6) first,
-#: then numels that 2, 3 or 4 do not divide, 2-D ones, and numel 1 (< N for every N >= 2).
-_SHAPES = ((4, 6), (7,), (5, 3), (3,), (1,))
-#: The parameters 6.1 also passes in one call: one even, one uneven, numel 1.
-_TOGETHER = (_SHAPES[0], _SHAPES[1], _SHAPES[-1])
-#: (in_features, out_features) of 6.2: flat numels 2 (< 3 and 4), 8, 15 and 35.
-_LINEARS = ((1, 1), (3, 2), (4, 3), (6, 5))
-_DRAWN_WORLD_SIZES = (5, 6)
-
-
-class ZeroExercise(enum.Enum):
-    """The exercises of chapter 6 that these checks run."""
-
-    #: ``sharded_sgd_step(params, momentum_shards, lr, beta)``: ZeRO-1's step.
-    SHARDED_STEP = "6.1"
-    #: ``fsdp_linear_forward(shard, in_features, out_features, x) -> Tensor``: gather, free.
-    FSDP_FORWARD = "6.2"
-    #: ``reduce_scatter_grad(grad) -> Tensor``: this rank's shard of the mean gradient.
-    REDUCE_SCATTER_GRAD = "6.3"
-
-    @property
-    def function(self) -> str:
-        return {ZeroExercise.SHARDED_STEP: "sharded_sgd_step",
-                ZeroExercise.FSDP_FORWARD: "fsdp_linear_forward",
-                ZeroExercise.REDUCE_SCATTER_GRAD: "reduce_scatter_grad"}[self]
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return {ZeroExercise.SHARDED_STEP: ("params", "momentum_shards", "lr", "beta"),
-                ZeroExercise.FSDP_FORWARD: ("shard", "in_features", "out_features", "x"),
-                ZeroExercise.REDUCE_SCATTER_GRAD: ("grad",)}[self]
-
-    @property
-    def title(self) -> str:
-        return f"Exercise {self.value} {self.function}"
-
-    @property
-    def collective(self) -> str:
-        """The one collective the exercise makes."""
-        return "a reduce-scatter" if self is ZeroExercise.REDUCE_SCATTER_GRAD else "an all-gather"
-
-
-# --- the cases ---------------------------------------------------------------------------------
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _padded(tensor: torch.Tensor, n: int) -> torch.Tensor:
-    """``tensor`` flattened and zero-padded to N·k elements, k = ceil(numel / N)."""
-    flat = tensor.reshape(-1)
-    return F.pad(flat, (0, n * shard_numel(flat.numel(), n) - flat.numel()))
-
-
-def _shard(padded: torch.Tensor, n: int, r: int) -> torch.Tensor:
-    k = padded.numel() // n
-    return padded[r * k:(r + 1) * k]
-
-
-@dataclass(frozen=True)
-class _Case:
-    """The shapes one case passes: 6.1's parameters, 6.2's ``(weight, bias)``, 6.3's gradient."""
-
-    shapes: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def linear(cls, in_features: int, out_features: int) -> _Case:
-        return cls(((out_features, in_features), (out_features,)))
-
-    @property
-    def numel(self) -> int:
-        return sum(map(_numel, self.shapes))
-
-    def numels(self, exercise: ZeroExercise) -> tuple[int, ...]:
-        """The numel of each padded tensor: one flat vector for 6.2, one per shape otherwise."""
-        if exercise is ZeroExercise.FSDP_FORWARD:
-            return (self.numel,)
-        return tuple(map(_numel, self.shapes))
-
-    def uneven(self, exercise: ZeroExercise, n: int) -> bool:
-        return any(numel % n for numel in self.numels(exercise))
-
-    def describe(self, exercise: ZeroExercise) -> str:
-        if exercise is ZeroExercise.FSDP_FORWARD:
-            (out_features, in_features), _ = self.shapes
-            return f"Linear({in_features}, {out_features}) (flat numel {self.numel})"
-        if len(self.shapes) > 1:
-            return f"{len(self.shapes)} parameters at once ({_shapes_text(self.shapes)})"
-        what = "a parameter" if exercise is ZeroExercise.SHARDED_STEP else "a gradient"
-        return f"{what} of shape {self.shapes[0]} (numel {self.numel})"
-
-
-def _shapes_text(shapes: Sequence[tuple[int, ...]]) -> str:
-    return ", ".join(map(str, shapes))
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one check runs: the world sizes and the cases of every launch."""
-
-    exercise: ZeroExercise
-    seed: int
-    world_sizes: tuple[int, ...]
-    drawn_world_size: int | None
-    drawn: tuple[_Case, ...]
-
-    @classmethod
-    def make(cls, exercise: ZeroExercise, world_sizes: Sequence[int], seed: int) -> _Plan:
-        sizes = tuple(world_sizes)
-        if seed == 0:
-            return cls(exercise, seed, sizes, None, ())
-        rng = random.Random(seed)
-        spare = [n for n in _DRAWN_WORLD_SIZES if n not in sizes]
-        extra = rng.choice(spare) if spare else None
-        if exercise is ZeroExercise.FSDP_FORWARD:
-            drawn = (_Case.linear(rng.randint(2, 9), rng.randint(2, 9)),)
-        else:
-            drawn = (_Case(((rng.randint(8, 60),),)),
-                     _Case(((rng.randint(2, 7), rng.randint(2, 7)),)))
-        return cls(exercise, seed, sizes + ((extra,) if extra else ()), extra, drawn)
-
-    @property
-    def cases(self) -> tuple[_Case, ...]:
-        if self.exercise is ZeroExercise.FSDP_FORWARD:
-            return (*(_Case.linear(i, o) for i, o in _LINEARS), *self.drawn)
-        singles = (*(_Case((s,)) for s in _SHAPES), *self.drawn)
-        if self.exercise is ZeroExercise.SHARDED_STEP:  # and several in one call
-            return (*singles, _Case(_TOGETHER))
-        return singles
-
-    def note(self) -> str:
-        if self.seed == 0:
-            return ""
-        if self.exercise is ZeroExercise.FSDP_FORWARD:
-            drawn = self.drawn[0].describe(self.exercise).split(" (")[0]
-        else:
-            drawn = "shapes " + " and ".join(str(c.shapes[0]) for c in self.drawn)
-        extra = f"world size {self.drawn_world_size} and " if self.drawn_world_size else ""
-        return f" [seed {self.seed} drew {extra}{drawn}; pass seed={self.seed} to rerun]"
-
-
-# The inputs, a pure function of their arguments (parent and ranks agree): integers in [1, 9].
-
-
-def _start_param(seed: int, n: int, index: int, i: int, shape: tuple[int, ...]) -> torch.Tensor:
-    return case_values(seed, n, index, 100 + i, _numel(shape)).view(shape)
-
-
-def _step_grad(seed: int, n: int, index: int, step: int, i: int,
-               shape: tuple[int, ...]) -> torch.Tensor:
-    return case_values(seed, n, index, 1000 * (step + 1) + i, _numel(shape)).view(shape)
-
-
-def _linear_inputs(seed: int, n: int, index: int, case: _Case
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The padded flat vector ``cat(weight.flatten(), bias)`` of 6.2 and its input x."""
-    (out_features, in_features), _ = case.shapes
-    flat = case_values(seed, n, index, -1, case.numel)
-    return _padded(flat, n), case_values(seed, n, index, -2, BATCH * in_features).view(BATCH, -1)
-
-
-def _rank_grad(seed: int, n: int, index: int, rank: int, case: _Case) -> torch.Tensor:
-    return case_values(seed, n, index, rank, case.numel).view(case.shapes[0])
 
 
 # --- inside every rank ---------------------------------------------------------------------------
 
 
-class _Kind(enum.Enum):
-    """What a ``ProcessGroup`` call is, for its cost."""
-
-    ALL_GATHER = "all-gather"
-    """Costs (N-1)/N of the gathered output."""
-    REDUCE_SCATTER = "reduce-scatter"
-    """Costs (N-1)/N of the full input."""
-    ALL_REDUCE = "all-reduce"
-    """Costs 2(N-1)/N of the tensor (a ring's reduce-scatter and all-gather)."""
-    OTHER = "other"
-    """A send, a broadcast, ...: the bytes of the tensors passed."""
-
-
-_GROUP_METHODS = {
-    **dict.fromkeys(("allgather", "_allgather_base", "all_gather_single", "allgather_coalesced",
-                     "allgather_into_tensor_coalesced", "all_gather_single_coalesced"),
-                    _Kind.ALL_GATHER),
-    **dict.fromkeys(("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-                     "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
-                    _Kind.REDUCE_SCATTER),
-    **dict.fromkeys(("allreduce", "allreduce_coalesced"), _Kind.ALL_REDUCE),
-    **dict.fromkeys(("send", "broadcast", "reduce", "gather", "scatter", "alltoall",
-                     "alltoall_base", "all_to_all_single"), _Kind.OTHER),
-}
-
-
-def _nbytes(value: object) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
-def _cost(kind: _Kind, args: tuple[Any, ...], n: int) -> float:
-    """Bytes this rank sends for one call, by the ring algorithms of chapters 2-4."""
-    if kind is _Kind.ALL_GATHER:  # (output(s), input(s), ...): forward N-1 shards
-        return (n - 1) * _nbytes(args[1])
-    if kind is _Kind.REDUCE_SCATTER:  # (output(s), input(s), ...): N-1 partial sums
-        return (n - 1) * _nbytes(args[0])
-    if kind is _Kind.ALL_REDUCE:
-        return 2 * (n - 1) / n * _nbytes(args[0])
-    return _nbytes(args[0])
-
-
-@dataclass
-class _Traffic:
-    """What this rank sent during the current call (reset before each)."""
-
-    sent: float = 0.0
-    all_reduced: int = 0  #: elements passed to all-reduces
-
-
-def _refuse_all_reduce() -> NoReturn:
+def _refuse_all_reduce(*args: Any, **kwargs: Any) -> NoReturn:
     raise CollectiveUsedError(
         "Exercise 6.3: no all-reduce: it would leave the full mean on every rank, twice the "
         "traffic of a reduce-scatter (2(N-1)/N·S instead of (N-1)/N·S) and N times the memory "
@@ -307,34 +97,12 @@ def _refuse_all_reduce() -> NoReturn:
         "ring_reduce_scatter, or torch's reduce-scatter) and divide by N")
 
 
-@contextlib.contextmanager
-def _watched_collectives(refuse_all_reduce: bool) -> Iterator[_Traffic]:
-    """Inside: every collective method of ``ProcessGroup`` adds its cost to the traffic (the
-    ProcessGroup level sees ``dist.*`` however it was imported, and the point-to-point sends
-    of labs.collectives); all-reduces raise when ``refuse_all_reduce``. Restored on exit."""
-    traffic = _Traffic()
-    group_class = distributed_c10d.ProcessGroup
-    saved = [(name, getattr(group_class, name)) for name in _GROUP_METHODS
-             if hasattr(group_class, name)]
-
-    def counted(kind: _Kind, original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if kind is _Kind.ALL_REDUCE:
-                if refuse_all_reduce:
-                    _refuse_all_reduce()
-                traffic.all_reduced += _nbytes(args[0]) // _F32
-            traffic.sent += _cost(kind, args, self.size())
-            return original(self, *args, **kwargs)
-
-        return call
-
-    try:
-        for name, original in saved:
-            setattr(group_class, name, counted(_GROUP_METHODS[name], original))
-        yield traffic
-    finally:
-        for name, original in saved:
-            setattr(group_class, name, original)
+def _refusals(exercise: ZeroExercise) -> dict[str, Callable[..., NoReturn]]:
+    """The ProcessGroup methods an exercise refuses: 6.3 every all-reduce, the others none."""
+    if exercise is not ZeroExercise.REDUCE_SCATTER_GRAD:
+        return {}
+    return {name: _refuse_all_reduce for name, kind in GROUP_METHODS.items()
+            if kind is Kind.ALL_REDUCE}
 
 
 @dataclass(frozen=True)
@@ -349,7 +117,7 @@ class _Call:
     state: tuple[torch.Tensor, ...]
     """Copies after the call: 6.1 the parameters then the momentum shards, 6.2 the shard, 6.3
     the gradient."""
-    sent: float  #: bytes sent (ring costs, see the module docstring)
+    sent: float  #: bytes sent (ring costs, see labs.checks.watch)
     all_reduced: int  #: elements all-reduced
     held: int = 0
     """Bytes of the storages made during the call that are still alive once every case has
@@ -357,23 +125,24 @@ class _Call:
     tensor's aside."""
 
 
-#: Weak references to the storages a call made (the returned tensor's aside).
-_Made = list[StorageWeakRef]
+#: What a call made: its tracker, which still counts (by weak reference) the storages made
+#: during the call, the returned tensor's aside.
+_Made = AllocationTracker
 #: gloo's worker threads drop the tensors of a finished collective a little after wait()
 #: returns: a rank looks this many times, 10 ms apart, before it counts what is alive as held.
 _SETTLE_LOOKS = 100
 
 
-def _measured(call: Callable[[], object], traffic: _Traffic,
+def _measured(call: Callable[[], object], traffic: Traffic,
               state: Callable[[], Sequence[torch.Tensor]], keep: bool = True
               ) -> tuple[_Call, _Made]:
     """Runs ``call`` under no_grad and an AllocationTracker, with the traffic counted."""
     traffic.sent, traffic.all_reduced = 0.0, 0
-    with torch.no_grad(), AllocationTracker() as tracker:
+    with torch.no_grad(), AllocationTracker() as made:
         returned = call()
     tensor = returned if keep and isinstance(returned, torch.Tensor) else None
-    kept = None if tensor is None else tensor.untyped_storage()._cdata
-    made = [ref for key, (ref, _) in tracker._live.items() if key != kept and not ref.expired()]
+    if tensor is not None:
+        made.untrack([tensor])  # the result is the caller's to keep
     return _Call("", None if tensor is None else tensor.detach().clone(),
                  type(returned).__name__,
                  0 if tensor is None else tensor.untyped_storage().nbytes(),
@@ -381,37 +150,25 @@ def _measured(call: Callable[[], object], traffic: _Traffic,
                  traffic.all_reduced), made
 
 
-def _alive_bytes(made: _Made) -> int:
-    """Bytes of the storages still alive, at their current size (the tracker's own live_bytes
-    reports the size at allocation, which a storage freed by resize_(0) no longer has)."""
-    total = 0
-    for ref in made:
-        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        if storage is not None:
-            total += storage.nbytes()
-        del storage
-    return total
-
-
-def _settle(made: _Made) -> None:
+def _settle(made: Sequence[_Made]) -> None:
     """Gives gloo's finished work, and tensors in reference cycles, a chance to go."""
     for look in range(_SETTLE_LOOKS):
-        if not _alive_bytes(made):
+        if not any(m.live_bytes for m in made):
             return
         if look == 5:
             gc.collect()  # 0.3 s in a rank, so not before gloo had its chance
         time.sleep(0.01)
 
 
-def _run_step(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case, seed: int,
-              traffic: _Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
-    params = [nn.Parameter(_start_param(seed, n, index, i, s)) for i, s in enumerate(case.shapes)]
+def _run_step(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case, seed: int,
+              traffic: Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
+    params = [nn.Parameter(start_param(seed, n, index, i, s)) for i, s in enumerate(case.shapes)]
     momenta = [torch.zeros(shard_numel(p.numel(), n)) for p in params]  # 1-D, k elements each
     inputs.append(params)
     calls = []
     for step in range(STEPS):
         for i, p in enumerate(params):
-            p.grad = _step_grad(seed, n, index, step, i, p.shape)
+            p.grad = step_grad(seed, n, index, step, i, p.shape)
         given, places = list(momenta), [p.data_ptr() for p in params]
         call, made = _measured(lambda given=given: fn(params, given, LR, BETA), traffic,
                                state=lambda: [*params, *momenta], keep=False)
@@ -433,42 +190,37 @@ def _run_step(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case
     return calls
 
 
-def _run_forward(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case, seed: int,
-                 traffic: _Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
+def _run_forward(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case, seed: int,
+                 traffic: Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
     (out_features, in_features), _ = case.shapes
-    padded, x = _linear_inputs(seed, n, index, case)
-    shard = _shard(padded, n, rank).clone()  # 1-D, k elements
+    padded, x = linear_inputs(seed, n, index, case)
+    shard = shard_of(padded, n, rank).clone()  # 1-D, k elements
     inputs.extend((shard, x))
     return [_measured(lambda: fn(shard, in_features, out_features, x), traffic,
                       state=lambda: [shard])]
 
 
-def _run_grad(fn: Callable[..., Any], rank: int, n: int, index: int, case: _Case, seed: int,
-              traffic: _Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
-    grad = _rank_grad(seed, n, index, rank, case)
+def _run_grad(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case, seed: int,
+              traffic: Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
+    grad = rank_grad(seed, n, index, rank, case)
     inputs.append(grad)
     return [_measured(lambda: fn(grad), traffic, state=lambda: [grad])]
 
 
 def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: ZeroExercise,
-              cases: tuple[_Case, ...], seed: int) -> list[list[_Call]]:
+              cases: tuple[Case, ...], seed: int) -> list[list[_Call]]:
     """Runs every case on this rank with the collectives watched, then counts what each call
     left alive (at the end, when gloo has let go of the tensors of finished collectives)."""
     run = {ZeroExercise.SHARDED_STEP: _run_step, ZeroExercise.FSDP_FORWARD: _run_forward,
            ZeroExercise.REDUCE_SCATTER_GRAD: _run_grad}[exercise]
     results = []
     inputs: list[object] = []  # alive until the end: what the learner hangs on them is held
-    refuse = exercise is ZeroExercise.REDUCE_SCATTER_GRAD
-    with _watched_collectives(refuse_all_reduce=refuse) as traffic:
+    with counted_collectives(_refusals(exercise)) as traffic:
         for index, case in enumerate(cases):
-            try:
+            with case_noted(index):
                 results.append(run(fn, rank, world_size, index, case, seed, traffic, inputs))
-            except BaseException as exc:
-                if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
-                    exc.add_note(f"{CASE_NOTE} {index}")
-                raise
-    _settle([ref for calls in results for _, made in calls for ref in made])
-    return [[replace(call, held=_alive_bytes(made)) for call, made in calls] for calls in results]
+    _settle([made for calls in results for _, made in calls])
+    return [[replace(call, held=made.live_bytes) for call, made in calls] for calls in results]
 
 
 # --- judging values ---------------------------------------------------------------------------
@@ -478,22 +230,8 @@ def _elements(q: int, k: int) -> str:
     return f"shard {q}, elements [{q * k}, {(q + 1) * k})"
 
 
-def _sgd_reference(seed: int, n: int, index: int, case: _Case
-                   ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """One process's SGD with momentum: per step, the parameters and the padded momenta."""
-    params = [_start_param(seed, n, index, i, s) for i, s in enumerate(case.shapes)]
-    momenta = [torch.zeros(n * shard_numel(p.numel(), n)) for p in params]
-    states = []
-    for step in range(STEPS):
-        grads = [_step_grad(seed, n, index, step, i, p.shape) for i, p in enumerate(params)]
-        momenta = [BETA * m + _padded(g, n) for m, g in zip(momenta, grads, strict=True)]
-        params = [p - LR * m[:p.numel()].view_as(p) for p, m in zip(params, momenta, strict=True)]
-        states.append((params, momenta))
-    return states
-
-
-def _judge_step(n: int, index: int, case: _Case, seed: int, calls: Sequence[list[_Call]]) -> str:
-    reference = _sgd_reference(seed, n, index, case)
+def _judge_step(n: int, index: int, case: Case, seed: int, calls: Sequence[list[_Call]]) -> str:
+    reference = sgd_reference(seed, n, index, case)
     count = len(case.shapes)
     for step, (params, momenta) in enumerate(reference):
         at = f"step {step + 1}: rank"
@@ -507,7 +245,7 @@ def _judge_step(n: int, index: int, case: _Case, seed: int, calls: Sequence[list
                 if wrong:
                     return f"{at} {r}: {wrong}"
         for i, want in enumerate(params):
-            before = reference[step - 1][0][i] if step else _start_param(
+            before = reference[step - 1][0][i] if step else start_param(
                 seed, n, index, i, case.shapes[i])
             for r in range(n):
                 wrong = _judge_param(n, r, i, calls[r][step].state[i], want, before)
@@ -519,19 +257,19 @@ def _judge_step(n: int, index: int, case: _Case, seed: int, calls: Sequence[list
 def _judge_momentum(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
                     before: torch.Tensor) -> str:
     k = want.numel() // n
-    if torch.equal(got, _shard(want, n, r)):
+    if torch.equal(got, shard_of(want, n, r)):
         return ""
-    if torch.equal(got, _shard(before, n, r)):
+    if torch.equal(got, shard_of(before, n, r)):
         return (f"momentum_shards[{i}] was not updated. Update it in place, "
                 f"m.mul_(beta).add_(g_shard), g_shard being this rank's {_elements(r, k)} "
                 "of the flattened, zero-padded gradient. (A full-size momentum kept elsewhere "
                 "is the N-fold memory that ZeRO-1 saves.)")
-    other = [q for q in range(n) if q != r and torch.equal(got, _shard(want, n, q))]
+    other = [q for q in range(n) if q != r and torch.equal(got, shard_of(want, n, q))]
     if other:
         return (f"momentum_shards[{i}] holds the momentum of {_elements(other[0], k)}, not "
                 f"of this rank's {_elements(r, k)}: rank r owns elements [r*k, (r+1)*k) of "
                 f"the flattened, zero-padded parameter, k = ceil(numel / N) = {k}.")
-    return (f"momentum_shards[{i}]: " + first_difference(got, _shard(want, n, r), (
+    return (f"momentum_shards[{i}]: " + first_difference(got, shard_of(want, n, r), (
         f"m = beta * m + g_shard on {_elements(r, k)}")) + ".")
 
 
@@ -556,26 +294,16 @@ def _judge_param(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
         flat[a:b], ok[a:b], f"after the all-gather, shard {q} holds rank {q}'s update") + ".")
 
 
-def _linear(x: torch.Tensor, flat: torch.Tensor, in_features: int, out_features: int,
-            bias_first: bool = False) -> torch.Tensor:
-    """F.linear with the weight and bias read from ``flat``, in either order."""
-    w = out_features * in_features
-    if bias_first:
-        return F.linear(x, flat[out_features:out_features + w].view(out_features, in_features),
-                        flat[:out_features])
-    return F.linear(x, flat[:w].view(out_features, in_features), flat[w:w + out_features])
-
-
-def _judge_forward(n: int, index: int, case: _Case, seed: int,
+def _judge_forward(n: int, index: int, case: Case, seed: int,
                    calls: Sequence[list[_Call]]) -> str:
     (out_features, in_features), _ = case.shapes
-    padded, x = _linear_inputs(seed, n, index, case)
+    padded, x = linear_inputs(seed, n, index, case)
     w = out_features * in_features
-    want = _linear(x, padded, in_features, out_features)
+    want = flat_linear(x, padded, in_features, out_features)
     k = padded.numel() // n
     for r in range(n):
         call = calls[r][0]
-        if not torch.equal(call.state[0], _shard(padded, n, r)):
+        if not torch.equal(call.state[0], shard_of(padded, n, r)):
             return (f"rank {r}: the shard it was given was changed; gather from it, but leave "
                     "it as it is (it is the rank's only copy of the parameters).")
         got = call.returned
@@ -586,10 +314,10 @@ def _judge_forward(n: int, index: int, case: _Case, seed: int,
         if torch.equal(got, want):
             continue
         own = torch.zeros_like(padded)
-        _shard(own, n, r).copy_(_shard(padded, n, r))
-        reversed_ = torch.cat([_shard(padded, n, q) for q in reversed(range(n))])
+        shard_of(own, n, r).copy_(shard_of(padded, n, r))
+        reversed_ = torch.cat([shard_of(padded, n, q) for q in reversed(range(n))])
         candidates = (
-            (_linear(x, padded, in_features, out_features, bias_first=True),
+            (flat_linear(x, padded, in_features, out_features, bias_first=True),
              "weight and bias are swapped: the flat vector is cat(weight.flatten(), bias), so "
              f"weight = full[:{w}].view({out_features}, {in_features}) comes first, then bias "
              f"= full[{w}:{w + out_features}]."),
@@ -601,10 +329,10 @@ def _judge_forward(n: int, index: int, case: _Case, seed: int,
              f"the weight was viewed as ({in_features}, {out_features}); it is stored "
              f"row-major as (out_features, in_features): weight = full[:{w}]"
              f".view({out_features}, {in_features}), and the output is x @ weight.T + bias."),
-            (_linear(x, reversed_, in_features, out_features),
+            (flat_linear(x, reversed_, in_features, out_features),
              "the shards were put together in the wrong order: shard q (rank q's) belongs at "
              f"elements [q*k, (q+1)*k), k = {k}; all-gathers return them in rank order."),
-            (_linear(x, own, in_features, out_features),
+            (flat_linear(x, own, in_features, out_features),
              "only this rank's shard was used, the rest of the vector left at zero: all-gather "
              "every rank's shard first."),
             (x @ padded[:w].view(out_features, in_features).T, "the bias was not added."),
@@ -621,18 +349,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def _judge_grad(n: int, index: int, case: _Case, seed: int, calls: Sequence[list[_Call]]) -> str:
-    grads = [_rank_grad(seed, n, index, r, case) for r in range(n)]
+def _judge_grad(n: int, index: int, case: Case, seed: int, calls: Sequence[list[_Call]]) -> str:
+    grads = [rank_grad(seed, n, index, r, case) for r in range(n)]
     total = sum(grads)
     assert isinstance(total, torch.Tensor)
-    summed, mean = _padded(total, n), _padded(total, n) / n
+    summed, mean = pad_flat(total, n), pad_flat(total, n) / n
     k = mean.numel() // n
     for r in range(n):
         call = calls[r][0]
         if not torch.equal(call.state[0], grads[r]):
             return (f"rank {r}: grad was changed; reduce_scatter_grad must leave it as it is "
                     "(pad and divide a copy: reshape(-1) is a view when it can be).")
-        got, want = call.returned, _shard(mean, n, r)
+        got, want = call.returned, shard_of(mean, n, r)
         if got is None or got.dim() != 1:
             what = call.returned_type if got is None else f"a tensor of shape {tuple(got.shape)}"
             return (f"rank {r}: returned {what}; it must return a 1-D tensor of k = ceil(numel / "
@@ -651,15 +379,15 @@ def _judge_grad(n: int, index: int, case: _Case, seed: int, calls: Sequence[list
         if got.numel() != k:
             return (f"rank {r}: returned {got.numel()} element(s); a shard has k = ceil(numel / "
                     f"N) = {k}.")
-        if n > 1 and _close(got, _shard(summed, n, r)):
+        if n > 1 and _close(got, shard_of(summed, n, r)):
             return (f"rank {r}: returned the SUM over ranks ({n} x the mean): a reduce-scatter "
                     "sums; divide by the world size.")
-        other = [q for q in range(n) if q != r and _close(got, _shard(mean, n, q))]
+        other = [q for q in range(n) if q != r and _close(got, shard_of(mean, n, q))]
         if other:
             return (f"rank {r}: returned {_elements(other[0], k)} of the mean, not its own "
                     f"{_elements(r, k)}: rank r owns elements [r*k, (r+1)*k).")
         divisor = next((d for d in range(1, 2 * n + 1) if d != n
-                        and _close(got, _shard(summed, n, r) / d)), 0)
+                        and _close(got, shard_of(summed, n, r) / d)), 0)
         if n > 1 and divisor:
             return (f"rank {r}: returned the sum divided by {divisor}, not by the world size {n}: "
                     "divide by dist.get_world_size().")
@@ -670,7 +398,7 @@ def _judge_grad(n: int, index: int, case: _Case, seed: int, calls: Sequence[list
 # --- judging memory and traffic -------------------------------------------------------------------
 
 
-def _judge_cost(exercise: ZeroExercise, n: int, case: _Case,
+def _judge_cost(exercise: ZeroExercise, n: int, case: Case,
                 calls: Sequence[list[_Call]]) -> str:
     """Nothing made during a call may outlive it (but the result), and each rank sends at most
     the ring cost of one all-gather or reduce-scatter of every padded tensor."""
@@ -736,32 +464,27 @@ _PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor z
                  "N*k elements, rank r owning elements [r*k, (r+1)*k)")
 
 
-def _explain_error(plan: _Plan, n: int, err: RankError) -> str:
+def _explain_error(plan: Plan, n: int, err: RankError) -> str:
     named = failing_rank(err)
-    rank, tb = named.rank, named.traceback
     if err.exc_type == "RankDied":
-        return (f"with {n} rank(s), rank {rank} died. gloo ends a process when a message does "
-                "not fit the buffer posted to receive it: every rank must pass shards of the "
-                f"same size to the collective ({_PADDING_HINT}).")
-    found = re.search(re.escape(CASE_NOTE) + r" (\d+)", tb)
-    case = plan.cases[int(found.group(1))] if found else None
+        return (f"with {n} rank(s), rank {named.rank} died. gloo ends a process when a message "
+                "does not fit the buffer posted to receive it: every rank must pass shards of "
+                f"the same size to the collective ({_PADDING_HINT}).")
+    case = failed_case(named.traceback, plan.cases)
     where = f"with {n} rank(s), {case.describe(plan.exercise)}" if case else f"with {n} rank(s)"
     if err.exc_type == CollectiveUsedError.__name__:
-        called = re.search(r"Exercise [\d.]+: no all-reduce.*", tb)
+        called = re.search(r"Exercise [\d.]+: no all-reduce.*", named.traceback)
         return f"{where}: {called.group(0) if called else str(err).splitlines()[0]}."
     hint = ""
     if case is not None and case.uneven(plan.exercise, n):
         numels = " and ".join(str(m) for m in case.numels(plan.exercise) if m % n)
         hint = (f" {n} does not divide numel {numels}: if it works when it does, check the "
                 f"padding ({_PADDING_HINT}).")
-    return f"{where}: rank {rank} raised {err.exc_type}.{hint}\n{clean_traceback(tb, __file__)}"
+    return f"{where}: {raised(named, hint)}"
 
 
-def _explain_timeout(plan: _Plan, n: int, err: LaunchTimeout, timeout: float) -> str:
-    verdict, where = explain_hang(n, err, timeout)
-    if verdict is not None:
-        return verdict
-    return (f"with {n} rank(s), rank(s) {ranks_text(err.ranks)} hung for {timeout:g} s.{where} "
+def _explain_timeout(plan: Plan, n: int, err: LaunchTimeout, timeout: float, where: str) -> str:
+    return (f"with {n} rank(s), rank(s) {listed(err.ranks)} hung for {timeout:g} s.{where} "
             f"A rank waits forever in a collective that a peer never makes: every rank must "
             f"make {plan.exercise.collective} of every tensor, in the same order, even a rank "
             "whose shard is only padding.")
@@ -774,7 +497,7 @@ _JUDGES = {ZeroExercise.SHARDED_STEP: _judge_step, ZeroExercise.FSDP_FORWARD: _j
            ZeroExercise.REDUCE_SCATTER_GRAD: _judge_grad}
 
 
-def _judge(plan: _Plan, n: int, results: Sequence[list[list[_Call]]]) -> str:
+def _judge(plan: Plan, n: int, results: Sequence[list[list[_Call]]]) -> str:
     """What is wrong in the most telling failing case (values first, then memory and traffic),
     with a hint when only the numels that N does not divide fail."""
     verdicts = []
@@ -800,47 +523,40 @@ def _judge(plan: _Plan, n: int, results: Sequence[list[list[_Call]]]) -> str:
 def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence[int], seed: int,
            timeout: float) -> CheckResult:
     validate_check_call(fn, world_sizes, seed, timeout)
-    plan = _Plan.make(exercise, world_sizes, seed)
+    plan = Plan.make(exercise, world_sizes, seed)
 
-    def fail(message: str) -> CheckResult:
-        return report(CheckResult(exercise.title, False, message + plan.note()))
+    return run_check(
+        exercise.title, plan, timeout,
+        worker=_rank_run,
+        args=lambda n: (fn, exercise, plan.cases, seed),
+        judge=lambda n, results: _judge(plan, n, results),
+        explain_error=lambda n, err: _explain_error(plan, n, err),
+        explain_timeout=lambda n, err, where: _explain_timeout(plan, n, err, timeout, where),
+        passed=_passed(exercise, listed(plan.world_sizes)),
+        problem=signature_problem(exercise.function, exercise.parameters, fn),
+    )
 
-    problem = signature_problem(exercise.function, exercise.parameters, fn)
-    if problem:
-        return fail(problem)
-    for n in plan.world_sizes:
-        try:
-            # gloo even where there are GPUs: the inputs are CPU tensors.
-            results = launch(_rank_run, n, args=(fn, exercise, plan.cases, seed),
-                             backend="gloo", timeout=timeout, echo=False,
-                             failure_grace=CHECK_FAILURE_GRACE_S)
-        except RankError as err:
-            return fail(_explain_error(plan, n, err))
-        except LaunchTimeout as err:
-            return fail(_explain_timeout(plan, n, err, timeout))
-        verdict = _judge(plan, n, results)
-        if verdict:
-            return fail(verdict)
-    sizes = ", ".join(map(str, plan.world_sizes))
-    shapes = f"shapes {_shapes_text(_SHAPES)}"
+
+def _passed(exercise: ZeroExercise, sizes: str) -> str:
+    shapes = f"shapes {shapes_text(SHAPES)}"
     cost = (f"sent more than {exercise.collective}'s (N-1)/N·S bytes, S being the "
             "zero-padded tensor(s) of N·k float32")
     what = {
         ZeroExercise.SHARDED_STEP: (
             f"after each of {STEPS} steps every rank holds exactly the parameters of SGD with "
             f"momentum in one process, and the momentum of its own shard, on {sizes} rank(s), "
-            f"for {shapes}, one at a time, then {_shapes_text(_TOGETHER)} in one call; no "
+            f"for {shapes}, one at a time, then {shapes_text(TOGETHER)} in one call; no "
             f"rank {cost}, or kept anything between calls but its momentum shards"),
         ZeroExercise.FSDP_FORWARD: (
             f"every rank returns exactly F.linear with the full weight and bias on {sizes} "
-            f"rank(s), for Linear{', Linear'.join(map(str, _LINEARS))}; no rank {cost}, and the "
+            f"rank(s), for Linear{', Linear'.join(map(str, LINEARS))}; no rank {cost}, and the "
             "gathered vector was freed before returning"),
         ZeroExercise.REDUCE_SCATTER_GRAD: (
             "rank r gets the k = ceil(numel / N) elements [r*k, (r+1)*k) of the mean of the "
             f"zero-padded gradients, grad unchanged, on {sizes} rank(s), for {shapes}; no "
             f"rank made an all-reduce, {cost}, or kept anything but its shard"),
     }[exercise]
-    return report(CheckResult(exercise.title, True, f"{what}.{plan.note()}"))
+    return f"{what}."
 
 
 def check_sharded_sgd_step(

@@ -34,9 +34,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from labs.bench_collectives import add_collectives_parser, collectives_main
-from labs.bench_ddp import add_ddp_parser, ddp_main
-from labs.bench_fsdp import add_fsdp_parser, fsdp_main
+from labs.bench.collectives import add_collectives_parser, collectives_main
+from labs.bench.ddp import add_ddp_parser, ddp_main
+from labs.bench.fsdp import add_fsdp_parser, fsdp_main
 from labs.launcher import StartMethod, launch
 from labs.tables import format_table
 
@@ -47,7 +47,7 @@ def _trivial(rank: int, world_size: int) -> int:
     return rank
 
 
-def _time_launches(world_size: int, method: StartMethod, repeats: int) -> dict[str, float]:
+def time_launches(world_size: int, method: StartMethod, repeats: int) -> dict[str, float]:
     """Run in a fresh process: first launch, then the median of ``repeats`` more."""
     times = []
     for _ in range(repeats + 1):
@@ -65,10 +65,10 @@ def bench_launch(world_sizes: Sequence[int], repeats: int, methods: Sequence[str
     for method, world_size in tqdm(cases, desc="launch latency", unit="case"):
         code = (
             "import json\n"
-            "from labs.bench import _time_launches\n"
+            "from labs.bench import time_launches\n"
             "from labs.launcher import StartMethod\n"
             "if __name__ == '__main__':\n"
-            f"    print(json.dumps(_time_launches({world_size}, StartMethod({method!r}), "
+            f"    print(json.dumps(time_launches({world_size}, StartMethod({method!r}), "
             f"{repeats})))\n"
         )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -102,6 +102,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         collectives_main(opts, sub.choices["collectives"])
 
-
-if __name__ == "__main__":
-    main()

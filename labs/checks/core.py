@@ -1,0 +1,311 @@
+"""What every exercise check shares: the verdict, the validation of a check's arguments, the
+plan of what a seed runs, the run over world sizes, the case inputs, and reading a failed or
+hung launch.
+
+Every check follows the same shape: build inputs whose right answer the parent can compute
+on its own, launch the learner's function on several world sizes (:func:`run_check`),
+compare, and explain the most likely mistake when the answer is wrong. The verdict's first
+line is ``PASS: ...`` or ``FAIL: ...`` and depends only on the learner's code and the check's
+seed. A chapter's module brings what is its own: the cases, the rank worker, the judge and
+the explanations of an error or a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import random
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from labs.launcher import MAX_WORLD_SIZE, LaunchTimeout, RankError, RankFailure, launch
+
+_CaseT = TypeVar("_CaseT")
+
+#: How long one check launch may run before the learner's code is declared hung.
+CHECK_TIMEOUT_S = 10.0
+#: Once a rank of a check has failed, how long the others get to report: ranks that fail the
+#: same way, late on a busy machine, are then all seen, and the verdict (the lowest of them,
+#: :func:`failing_rank`) is the same every run. The launcher stops waiting as soon as every
+#: rank has reported.
+CHECK_FAILURE_GRACE_S = 3.0
+
+
+# --- the verdict -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict of one exercise check."""
+
+    exercise: str
+    passed: bool
+    message: str
+
+    def __str__(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}: {self.exercise}: {self.message}"
+
+
+def report(result: CheckResult) -> CheckResult:
+    """Print the verdict (what the learner reads in the notebook) and return it."""
+    print(result)
+    return result
+
+
+# --- before any process starts ---------------------------------------------------------------
+
+
+def validate_run_arguments(world_sizes: object, seed: object, timeout: object, *,
+                           max_world_size: int = MAX_WORLD_SIZE, why: str = "") -> None:
+    """Refuse a check's ``world_sizes``, ``seed`` or ``timeout`` before any process starts,
+    saying what to pass instead. ``why`` explains ``max_world_size`` when it is a check's own."""
+    if (isinstance(world_sizes, (str, bytes)) or not isinstance(world_sizes, Sequence)
+            or not world_sizes):
+        raise TypeError(f"world_sizes must be a non-empty tuple of ints, e.g. (1, 2, 3), got "
+                        f"{world_sizes!r}.")
+    for n in world_sizes:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_world_size:
+            raise ValueError(f"each world size must be an int in 1..{max_world_size}{why}, "
+                             f"got {n!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int (0 for the documented cases), got {seed!r}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+
+
+def validate_check_call(fn: object, world_sizes: object, seed: object, timeout: object, *,
+                        example: str = "check(my_function)") -> None:
+    """:func:`validate_run_arguments`, and ``fn`` must be the learner's function itself
+    (``example`` shows the call to write)."""
+    if not callable(fn):
+        raise TypeError(f"pass the function itself, e.g. {example}, not its result "
+                        f"(got {type(fn).__name__}).")
+    validate_run_arguments(world_sizes, seed, timeout)
+
+
+def signature_problem(function: str, parameters: Sequence[str], fn: Callable[..., Any]) -> str:
+    """Why ``fn`` cannot be called as ``function(*parameters)``, or "" when it can (or when
+    its signature cannot be read: the ranks then try it)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the ranks try it
+        return ""
+    try:
+        signature.bind(*parameters)
+    except TypeError:
+        params = ", ".join(parameters)
+        return (f"{function} must accept {len(parameters)} argument(s), ({params}); its "
+                f"signature is {signature}. Write def {function}({params}): ...")
+    return ""
+
+
+# --- what a check runs, and running it -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """What a check runs: ``world_sizes``, the documented ones and, for a non-zero seed, one
+    more drawn from ``random.Random(seed)`` (``drawn_world_size``, None when every candidate
+    is documented already; see :func:`with_drawn_world_size`). A check's plan adds what else
+    its seed draws (shapes, widths, a bucket cap) and names it in :meth:`draws`."""
+
+    seed: int
+    world_sizes: tuple[int, ...]
+    drawn_world_size: int | None
+
+    def draws(self) -> list[str]:
+        """What the seed drew besides a world size, in words."""
+        return []
+
+    def note(self) -> str:
+        """Ends every verdict of a non-zero seed: what it drew, and how to run it again."""
+        if self.seed == 0:
+            return ""
+        world = [f"world size {self.drawn_world_size}"] if self.drawn_world_size else []
+        return (f" [seed {self.seed} drew {and_listed([*world, *self.draws()])}; "
+                f"pass seed={self.seed} to rerun]")
+
+
+def with_drawn_world_size(world_sizes: Sequence[int], rng: random.Random,
+                          candidates: Iterable[int]) -> tuple[tuple[int, ...], int | None]:
+    """``world_sizes`` with one more, drawn by ``rng`` from the ``candidates`` not among them,
+    and that one (None, and nothing added, when every candidate is there already)."""
+    sizes = tuple(world_sizes)
+    spare = [n for n in candidates if n not in sizes]
+    extra = rng.choice(spare) if spare else None
+    return sizes + ((extra,) if extra else ()), extra
+
+
+def run_check(
+    title: str,
+    plan: CheckPlan,
+    timeout: float,
+    *,
+    worker: Callable[..., Any],
+    args: Callable[[int], tuple[Any, ...]],
+    judge: Callable[[int, Sequence[Any]], str],
+    explain_error: Callable[[int, RankError], str],
+    explain_timeout: Callable[[int, LaunchTimeout, str], str],
+    passed: str,
+    problem: str = "",
+    launcher: Callable[..., Sequence[Any]] = launch,
+) -> CheckResult:
+    """Runs a check whose arguments were validated, prints its verdict and returns it.
+
+    ``problem`` (why the learner's code cannot even be called, found before any process
+    starts) fails at once. Otherwise, for each world size ``n`` of the plan in turn,
+    ``worker(rank, n, *args(n))`` runs on ``n`` ranks (gloo: every check's tensors live on the
+    CPU, even where there are GPUs), and the first of these is the verdict: a rank that
+    raised (``explain_error(n, err)``), ranks that hung (``explain_timeout(n, err, where)``,
+    ``where`` naming the learner's line a rank waited at, unless the ranks were still
+    starting: :func:`explain_hang`), or a wrong result (``judge(n, results)``, "" when right).
+    If none, the check passes with the message ``passed``. The plan's note ends every
+    message, so that the verdict names what the seed drew. ``launcher`` starts the ranks
+    (:func:`labs.launcher.launch`; a check may pass the one it looks up itself)."""
+
+    def verdict(ok: bool, message: str) -> CheckResult:
+        return report(CheckResult(title, ok, message + plan.note()))
+
+    if problem:
+        return verdict(False, problem)
+    for n in plan.world_sizes:
+        try:
+            results = launcher(worker, n, args=args(n), backend="gloo", timeout=timeout,
+                               echo=False, failure_grace=CHECK_FAILURE_GRACE_S)
+        except RankError as err:
+            return verdict(False, explain_error(n, err))
+        except LaunchTimeout as err:
+            starting, where = explain_hang(n, err, timeout)
+            return verdict(False, starting or explain_timeout(n, err, where))
+        wrong = judge(n, results)
+        if wrong:
+            return verdict(False, wrong)
+    return verdict(True, passed)
+
+
+# --- reading a failed or hung launch ---------------------------------------------------------
+
+
+#: Tagged onto an exception raised by the learner's code inside a check, so the parent knows
+#: which case it was; :func:`clean_traceback` drops the line again.
+CASE_NOTE = "[labs check] case"
+
+
+def _named_cells(text: str) -> str:
+    """A notebook cell's path that the launcher could not name (it holds the kernel's pid)
+    made stable, so that a verdict is the same on every run."""
+    return re.sub(r'"[^"]*ipykernel_\d+[/\\][^"]*"', '"<notebook cell>"', text)
+
+
+def clean_traceback(text: str, check_module: str) -> str:
+    """The learner's part of a rank's traceback: the frames of the checks package (the folder
+    of ``check_module``, a check module's ``__file__``: the check's own frames and the shared
+    ones it runs through) and the case note dropped. The launcher names a notebook cell as
+    IPython does (``Cell In[5], line 3``); a cell path it could not name is made stable."""
+    folder = os.path.dirname(check_module) + os.sep
+    lines, keep = [], True
+    for line in text.splitlines():
+        if line.startswith("  File "):
+            keep = folder not in line
+        elif not line.startswith("    "):
+            keep = True
+        if keep and not line.startswith(CASE_NOTE):
+            lines.append(line)
+    return _named_cells("\n".join(lines))
+
+
+@contextlib.contextmanager
+def case_noted(index: int) -> Iterator[None]:
+    """Inside a rank: an exception raised in the block carries case ``index``, which
+    :func:`failed_case` reads back in the parent. (contextlib gives the exception back the
+    traceback it came with, so the verdict shows no frame of this function.)"""
+    try:
+        yield
+    except BaseException as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+; without it the case goes unnamed
+            exc.add_note(f"{CASE_NOTE} {index}")
+        raise
+
+
+def failed_case(traceback: str, cases: Sequence[_CaseT]) -> _CaseT | None:
+    """The case a rank's traceback names (see :func:`case_noted`), or None."""
+    found = re.search(re.escape(CASE_NOTE) + r" (\d+)", traceback)
+    return cases[int(found.group(1))] if found else None
+
+
+def failing_rank(err: RankError) -> RankFailure:
+    """The failure a check's verdict names. Ranks that fail the same way at once: the lowest,
+    so that the verdict is the same on every run (but never one that only lost the peer that
+    failed first)."""
+    same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank
+                   and not f.peer_lost), key=lambda f: f.rank)
+    return same[0] if same else err.failure
+
+
+def raised(named: RankFailure, hint: str = "") -> str:
+    """The words 'rank r raised T.' and ``hint``, then the learner's part of its traceback."""
+    return (f"rank {named.rank} raised {named.exc_type}.{hint}\n"
+            f"{clean_traceback(named.traceback, __file__)}")
+
+
+def explain_hang(n: int, err: LaunchTimeout, timeout: float) -> tuple[str | None, str]:
+    """Read a check's :class:`~labs.launcher.LaunchTimeout`: ``(verdict, where)``. ``verdict``
+    is the whole explanation when the ranks were still joining the group (a busy machine, not
+    the learner's bug), else None; ``where`` names the first learner frame a hung rank was
+    waiting at (" Rank r was waiting at ..." or "")."""
+    stacks = [err.stacks.get(r, "") for r in err.ranks]
+    if any(stacks) and all("_join_group" in s for s in stacks if s):
+        return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
+                "machine may be busy: pass a larger timeout=."), ""
+    for r in err.ranks:
+        frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
+                  if not any(part in line for part in ("/torch/", "/labs/", "<frozen "))]
+        if frames:
+            return None, f" Rank {r} was waiting at {_named_cells(frames[0])}."
+    return None, ""
+
+
+# --- case inputs, and the words of a verdict -------------------------------------------------
+
+
+#: Case inputs are integers in [1, 9]: sums over at most 32 ranks are exact in float32, and a
+#: sum over some of the ranks is smaller than the sum over all of them in every element.
+_LOW, _HIGH = 1, 10
+
+
+def _mix(*parts: int) -> int:
+    value = 0x9E3779B9
+    for part in parts:
+        value = (value * 1_000_003 + part + 7) % (1 << 61)
+    return value
+
+
+def case_values(seed: int, n: int, index: int, who: int, numel: int) -> torch.Tensor:
+    """``numel`` integers in [1, 9] as float32 (1-D), a pure function of its arguments, so
+    that the parent and the ranks draw the same inputs: case ``index`` of world size ``n``,
+    for ``who`` (a rank, or a negative number for tensors no single rank owns)."""
+    generator = torch.Generator().manual_seed(_mix(seed, n, index, who))
+    return torch.randint(_LOW, _HIGH, (numel,), generator=generator).to(torch.float32)
+
+
+def first_difference(got: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+    """The first element (1-D index) where ``got`` differs from ``expected``, in words."""
+    i = int((got != expected).nonzero()[0, 0])
+    return f"element {i} is {float(got[i]):g}, expected {float(expected[i]):g} ({what})"
+
+
+def listed(values: Iterable[object]) -> str:
+    """``1, 2, 3``."""
+    return ", ".join(map(str, values))
+
+
+def and_listed(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]

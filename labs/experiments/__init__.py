@@ -1,0 +1,15 @@
+"""What the chapters measure, on real ranks: each module returns rows and records that a
+notebook turns into tables (:mod:`labs.tables`) and figures (:mod:`labs.viz`).
+
+* :mod:`labs.experiments.collectives` - chapters 2-4: ring traces, traffic counts, agreement
+  across ranks;
+* :mod:`labs.experiments.timing` - the timing of one collective as the slowest rank sees it;
+  :mod:`labs.experiments.p2p_timing` - of a point-to-point message and of an addition (what
+  the cost model is fitted on); :mod:`labs.experiments.sweep` - chapter 2's sweep of
+  every collective and size against torch's built-in ones (also ``python -m labs.bench
+  collectives``);
+* :mod:`labs.experiments.ddp` - chapter 5: step times, backward timelines, accumulation, the
+  sampler; :mod:`labs.experiments.pitfalls` - chapter 5's pitfalls, each run on real ranks;
+* :mod:`labs.experiments.zero` - chapter 6: memory and traffic per ZeRO stage, bytes per
+  parameter.
+"""

@@ -1,0 +1,10 @@
+"""Figures and widget panels (matplotlib and ipywidgets; the ranks never import this package).
+
+* :mod:`labs.viz.collectives` - chapters 1-4: gradient parity, the ring animation and steps,
+  traffic and timing bars;
+* :mod:`labs.viz.ddp` - chapter 5: step times, the backward timeline, its tables;
+* :mod:`labs.viz.memory` - chapters 3 and 4: what a rank holds, moment by moment (its table
+  and figure), and what a block of code allocated;
+* :mod:`labs.viz.zero` - chapter 6: memory per stage, the memory calculator;
+* :mod:`labs.viz.widgets` - every chapter's widget panel.
+"""
