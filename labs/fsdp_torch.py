@@ -59,7 +59,6 @@ them on its own thread, so whether a collective's input (for ``fully_shard`` at 
 
 from __future__ import annotations
 
-import enum
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -83,6 +82,7 @@ from labs.memory import (
 )
 from labs.models import TiedNet
 from labs.tables import format_table
+from labs.wrappers import Wrapper
 
 #: The first torch with ``fully_shard`` at all (as torch.distributed._composable.fsdp).
 FULLY_SHARD_MIN_TORCH = (2, 4)
@@ -92,15 +92,16 @@ FULLY_SHARD_CPU_MIN_TORCH = (2, 7)
 _FULLY_SHARD_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
 
-class Sharding(enum.Enum):
-    """How a run holds the model."""
+#: What the comparison calls each run: by the code that holds the model.
+_LABELS = {Wrapper.LOCAL: "one process, full batch", Wrapper.FSDP: "labs.fsdp.FSDP",
+           Wrapper.FULLY_SHARD: "torch fully_shard (FSDP2)"}
 
-    NONE = "one process, full batch"
-    """The reference: the whole model and the whole batch in one process."""
-    LABS_FSDP = "labs.fsdp.FSDP"
-    """The course's ZeRO-3: one flat fp32 shard per unit."""
-    FULLY_SHARD = "torch fully_shard (FSDP2)"
-    """PyTorch's ZeRO-3: every parameter a DTensor sharded on dim 0."""
+
+def label(wrapper: Wrapper) -> str:
+    """The comparison's name for a run: ``Wrapper.LOCAL`` is the reference (one process, the
+    whole batch), ``Wrapper.FSDP`` the course's ZeRO-3 (one flat fp32 shard per unit),
+    ``Wrapper.FULLY_SHARD`` PyTorch's (every parameter a DTensor sharded on dim 0)."""
+    return _LABELS[wrapper]
 
 
 class FullyShardUnavailable(RuntimeError):
@@ -201,7 +202,7 @@ class CompareSettings:
     lr: float = 0.05
     seed: int = 0  #: rank r builds its model from seed + r; rank 0's values are broadcast
     data_seed: int = 123
-    wrappers: tuple[Sharding, ...] = (Sharding.LABS_FSDP, Sharding.FULLY_SHARD)
+    wrappers: tuple[Wrapper, ...] = (Wrapper.FSDP, Wrapper.FULLY_SHARD)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "batch", "seq_len", "steps"):
@@ -210,10 +211,9 @@ class CompareSettings:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
-        unknown = [w for w in self.wrappers if not isinstance(w, Sharding)]
-        if unknown or Sharding.NONE in self.wrappers:
-            raise ValueError("wrappers must be Sharding.LABS_FSDP and/or Sharding.FULLY_SHARD "
-                             f"(the reference runs in reference_run), got {self.wrappers!r}")
+        if any(w not in (Wrapper.FSDP, Wrapper.FULLY_SHARD) for w in self.wrappers):
+            raise ValueError("wrappers must be Wrapper.FSDP and/or Wrapper.FULLY_SHARD (the "
+                             f"reference runs in reference_run), got {self.wrappers!r}")
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a world size the batch does not split into equal shares."""
@@ -245,9 +245,9 @@ class HeldBytes:
 
 @dataclass(frozen=True)
 class RunResult:
-    """One rank's run of one :class:`Sharding`."""
+    """One rank's run of one wrapper (:func:`label` names it)."""
 
-    sharding: Sharding
+    wrapper: Wrapper
     rank: int
     world_size: int
     units: tuple[str, ...]  #: what was sharded as a unit ("root" last); () for the reference
@@ -263,8 +263,8 @@ class RankReport:
 
     rank: int
     world_size: int
-    runs: dict[Sharding, RunResult]
-    skipped: dict[Sharding, str] = field(default_factory=dict)  #: why a wrapper did not run
+    runs: dict[Wrapper, RunResult]
+    skipped: dict[Wrapper, str] = field(default_factory=dict)  #: why a wrapper did not run
 
 
 def fully_shard_units(module: nn.Module) -> list[nn.Module]:
@@ -340,7 +340,7 @@ def _full_state(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _train(sharding: Sharding, model: nn.Module, module: nn.Module, units: tuple[str, ...],
+def _train(wrapper: Wrapper, model: nn.Module, module: nn.Module, units: tuple[str, ...],
            x: torch.Tensor, y: torch.Tensor, settings: CompareSettings, rank: int,
            world_size: int) -> RunResult:
     """Adam steps on (x, y); after each, the full state, the loss and the bytes held."""
@@ -368,7 +368,7 @@ def _train(sharding: Sharding, model: nn.Module, module: nn.Module, units: tuple
         losses.append(loss.item())
         held.append(bytes_held)
         snapshots.append(snap)
-    return RunResult(sharding, rank, world_size, units, tuple(states), tuple(losses),
+    return RunResult(wrapper, rank, world_size, units, tuple(states), tuple(losses),
                      tuple(held), tuple(snapshots))
 
 
@@ -377,7 +377,7 @@ def reference_run(settings: CompareSettings = CompareSettings()) -> RunResult:
     whole batch, measured the same way as the ranks."""
     net = TiedNet(settings.vocab, settings.dim, settings.seed)
     x, y = settings.tokens()
-    return _train(Sharding.NONE, net, net, (), x, y, settings, rank=0, world_size=1)
+    return _train(Wrapper.LOCAL, net, net, (), x, y, settings, rank=0, world_size=1)
 
 
 def compare_on_ranks(world_size: int, settings: CompareSettings = CompareSettings(),
@@ -404,17 +404,17 @@ def compare_worker(rank: int, world_size: int,
     x, y = settings.tokens()
     share = settings.batch // world_size
     x, y = (t[rank * share:(rank + 1) * share].to(device) for t in (x, y))
-    runs: dict[Sharding, RunResult] = {}
-    skipped: dict[Sharding, str] = {}
-    for sharding in settings.wrappers:
+    runs: dict[Wrapper, RunResult] = {}
+    skipped: dict[Wrapper, str] = {}
+    for wrapper in settings.wrappers:
         net = TiedNet(settings.vocab, settings.dim, settings.seed + rank).to(device)
-        if sharding is Sharding.LABS_FSDP:
+        if wrapper is Wrapper.FSDP:
             model = FSDP(net)
             units = tuple(unit.name for unit in model.units)
         else:
             ok, why = fully_shard_available(device.type)
             if not ok:
-                skipped[sharding] = why
+                skipped[wrapper] = why
                 continue
             broadcast_state(net)
             mesh = init_device_mesh(device.type, (world_size,))
@@ -424,7 +424,7 @@ def compare_worker(rank: int, world_size: int,
             # fully_shard warns when a unit returns a view (nn.Linear on 3-D input does):
             # an in-place op on it would skip the pre-backward all-gather. TiedNet does none.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-            runs[sharding] = _train(sharding, model, net, units, x, y, settings, rank,
+            runs[wrapper] = _train(wrapper, model, net, units, x, y, settings, rank,
                                     world_size)
     return RankReport(rank, world_size, runs, skipped)
 
@@ -447,7 +447,7 @@ def held_table(reference: RunResult, reports: Mapping[int, Sequence[RankReport]]
 
     def row(n: int, rank: int, run: RunResult) -> list[object]:
         h = run.held[-1]
-        return [n, rank, run.sharding.value, h.parameters, h.gradients, h.optimizer_state,
+        return [n, rank, label(run.wrapper), h.parameters, h.gradients, h.optimizer_state,
                 h.buffers, h.peak]
 
     rows = [row(1, 0, reference)]
@@ -456,6 +456,6 @@ def held_table(reference: RunResult, reports: Mapping[int, Sequence[RankReport]]
         for rank in ranks:
             if rank < len(per_rank):
                 rows += [row(n, rank, run) for run in per_rank[rank].runs.values()]
-                skipped.update((s.value, why) for s, why in per_rank[rank].skipped.items())
+                skipped.update((label(s), why) for s, why in per_rank[rank].skipped.items())
     notes = [f"{name}: {why}" for name, why in skipped.items()]
     return "\n".join([format_table(header, rows), *notes])

@@ -82,7 +82,7 @@ def wrap(wrapper: Wrapper, model: nn.Module, bucket_cap_mb: float = DEFAULT_BUCK
         return FSDP(model, observer=observer)
     if wrapper is Wrapper.FULLY_SHARD:
         raise ValueError("Wrapper.FULLY_SHARD is torch's own ZeRO-3: labs.fsdp_torch builds it "
-                         "(compare_fsdp), after checking that this torch has it.")
+                         "(compare_on_ranks), after checking that this torch has it.")
     return model
 
 

@@ -20,18 +20,19 @@ from labs import launch
 from labs.fsdp_torch import (
     CompareSettings,
     RankReport,
-    Sharding,
     apply_fully_shard,
     compare_on_ranks,
     full_value,
     fully_shard_available,
     held_table,
+    label,
     load_fully_shard,
     max_abs_difference,
     reference_run,
 )
 from labs.memory import local_tensor
 from labs.models import TiedNet
+from labs.wrappers import Wrapper
 
 AVAILABLE, WHY = fully_shard_available()
 needs_fully_shard = pytest.mark.skipif(not AVAILABLE, reason=WHY)
@@ -52,7 +53,7 @@ def reports() -> dict[int, list[RankReport]]:
 
 def runs_of(reports, n, sharding):
     per_rank = reports[n]
-    if sharding is Sharding.FULLY_SHARD and not AVAILABLE:
+    if sharding is Wrapper.FULLY_SHARD and not AVAILABLE:
         assert all(r.skipped[sharding] == WHY for r in per_rank)
         pytest.skip(WHY)
     return [r.runs[sharding] for r in per_rank]
@@ -85,13 +86,13 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="batch must be a positive int"):
         CompareSettings(batch=0)
     with pytest.raises(ValueError, match="reference runs in reference_run"):
-        CompareSettings(wrappers=(Sharding.NONE,))
+        CompareSettings(wrappers=(Wrapper.LOCAL,))
 
 
 # --- parity -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sharding", [Sharding.LABS_FSDP, Sharding.FULLY_SHARD])
+@pytest.mark.parametrize("sharding", [Wrapper.FSDP, Wrapper.FULLY_SHARD])
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_every_rank_matches_one_process_on_the_full_batch(reports, reference, n, sharding):
     runs = runs_of(reports, n, sharding)
@@ -104,7 +105,7 @@ def test_every_rank_matches_one_process_on_the_full_batch(reports, reference, n,
             for name in want:
                 torch.testing.assert_close(
                     got[name], want[name],
-                    msg=lambda m, r=run.rank, s=step, k=name: f"{sharding.value} N={n} rank {r} "
+                    msg=lambda m, r=run.rank, s=step, k=name: f"{label(sharding)} N={n} rank {r} "
                     f"step {s} {k}: {m}")
     # equal shares: the mean of the ranks' losses is the loss on the whole batch
     mean_loss = [sum(vals) / n for vals in zip(*(r.losses for r in runs), strict=True)]
@@ -114,8 +115,8 @@ def test_every_rank_matches_one_process_on_the_full_batch(reports, reference, n,
 @needs_fully_shard
 @pytest.mark.parametrize("n", [2, 4])
 def test_fully_shard_matches_labs_fsdp_step_by_step(reports, n):
-    ours = runs_of(reports, n, Sharding.LABS_FSDP)
-    theirs = runs_of(reports, n, Sharding.FULLY_SHARD)
+    ours = runs_of(reports, n, Wrapper.FSDP)
+    theirs = runs_of(reports, n, Wrapper.FULLY_SHARD)
     for a, b in zip(ours, theirs, strict=True):
         for step, (got, want) in enumerate(zip(b.states, a.states, strict=True)):
             for name in want:
@@ -140,9 +141,9 @@ def rows_of(rows: int, n: int, rank: int) -> int:
     return len(pieces[rank]) if rank < len(pieces) else 0
 
 
-def expected(sharding: Sharding, n: int, rank: int) -> tuple[int, int, int]:
+def expected(sharding: Wrapper, n: int, rank: int) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer state) bytes, by the rules of the module docstring."""
-    if sharding is Sharding.LABS_FSDP:
+    if sharding is Wrapper.FSDP:
         shard = sum(math.ceil(u / n) for u in UNITS)  # flat, padded to a multiple of N
         frozen = sum(r * c for k, (r, c) in SHAPES.items() if k not in TRAINABLE)
         return F32 * (shard + frozen), F32 * shard, 2 * F32 * shard + 4 * len(UNITS)
@@ -165,7 +166,7 @@ def test_one_process_holds_every_byte_once(reference):
     assert held.peak > held.parameters + held.gradients + held.optimizer_state
 
 
-@pytest.mark.parametrize("sharding", [Sharding.LABS_FSDP, Sharding.FULLY_SHARD])
+@pytest.mark.parametrize("sharding", [Wrapper.FSDP, Wrapper.FULLY_SHARD])
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_each_rank_holds_about_one_nth(reports, reference, n, sharding):
     """Exact bytes by the sharding rules, and within 25% of 1/N of one process: padding to
@@ -180,7 +181,7 @@ def test_each_rank_holds_about_one_nth(reports, reference, n, sharding):
         assert held.buffers == one.buffers  # whole on every rank
         at_rest = [(h.parameters, h.gradients, h.optimizer_state) for h in run.held]
         assert len(set(at_rest)) == 1, "the same after every step"  # peak: timing
-    frozen_whole = sharding is Sharding.LABS_FSDP
+    frozen_whole = sharding is Wrapper.FSDP
     for field, single in [("parameters", one.parameters), ("gradients", one.gradients),
                           ("optimizer_state", one.optimizer_state)]:
         frozen = F32 * 42 if field == "parameters" and frozen_whole else 0
@@ -263,8 +264,8 @@ def test_what_fully_shard_does_with_the_awkward_parts():
 
 def test_the_table_shows_every_run_or_why_not(reports, reference):
     text = held_table(reference, reports, ranks=(0, 3))
-    assert Sharding.NONE.value in text and Sharding.LABS_FSDP.value in text
-    assert (Sharding.FULLY_SHARD.value if AVAILABLE else WHY) in text
+    assert label(Wrapper.LOCAL) in text and label(Wrapper.FSDP) in text
+    assert (label(Wrapper.FULLY_SHARD) if AVAILABLE else WHY) in text
     # Ranks 0 and 3: labs' FSDP for each, and fully_shard too where this torch has it.
     rows = 4 if AVAILABLE else 2
     assert len([line for line in text.splitlines() if line.lstrip().startswith("4 ")]) == rows
