@@ -22,12 +22,11 @@ against the torch it runs on):
   (:func:`labs.ddp.broadcast_state`), as :class:`labs.fsdp.FSDP` and DDP do.
 * **Tied weights** (an embedding tied to the output layer). Wrapping the two modules in two
   ``fully_shard`` calls is refused at the first forward ("Parameter 'head.weight' is shared
-  with a parameter already managed by another FSDP group"; some older versions let it pass)
-  and torch suggests one call on both, ``fully_shard([embed, head])``. Here, as in
-  labs.fsdp, a unit that shares a trainable parameter with another unit (or with the root) is
-  not wrapped on its own and the root's ``fully_shard`` manages the parameter
-  (:func:`fully_shard_units`); one DTensor then serves both attributes, it is all-gathered
-  once and its gradient is the sum of both uses.
+  with a parameter already managed by another FSDP group") and torch suggests one call on
+  both, ``fully_shard([embed, head])``. Here, as in labs.fsdp, a unit that shares a trainable
+  parameter with another unit (or with the root) is not wrapped on its own and the root's
+  ``fully_shard`` manages the parameter (:func:`fully_shard_units`); one DTensor then serves
+  both attributes, it is all-gathered once and its gradient is the sum of both uses.
 * **A frozen parameter** is sharded like the others (a ``Shard(0)`` DTensor with
   ``requires_grad=False``), all-gathered for forward, and gets no gradient and no
   reduce-scatter. labs.fsdp keeps frozen parameters whole on every rank instead.
@@ -38,13 +37,11 @@ against the torch it runs on):
   2 rows (48 bytes). Gradients of one ``fully_shard`` group share one padded flat buffer.
 
 On gloo, ``fully_shard``'s reduce-scatter is ``reduce_scatter_tensor``, which ProcessGroupGloo
-emulates with an all-reduce and a chunk (pytorch PR 118911): twice the traffic of a real
-reduce-scatter. The ring of :mod:`labs.collectives` moves what the formulas say.
+emulates with an all-reduce and a chunk: twice the traffic of a real reduce-scatter. The ring of
+:mod:`labs.collectives` moves what the formulas say.
 
-Which torch can run it: :func:`fully_shard_available` answers, from
-:data:`FULLY_SHARD_MIN_TORCH` (where ``fully_shard`` exists at all) and
-:data:`FULLY_SHARD_CPU_MIN_TORCH` (where it runs on the CPU, whose streams older versions
-cannot use), with the error an older torch raises.
+Whether this torch can run it: :func:`fully_shard_available` answers, with what is missing
+(README's "Another torch" lists the versions).
 
 What is counted as memory (:class:`HeldBytes`): the bytes of the tensor storages a rank holds
 after each optimizer step, as :mod:`labs.memory` counts them (each storage once, at its
