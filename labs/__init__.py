@@ -12,7 +12,8 @@ order:
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces;
   beneath it :mod:`labs.p2p` (the point-to-point calls, counted) and
-  :mod:`labs.ring_schedule` (how a ring pass runs).
+  :mod:`labs.ring_schedule` (how a ring pass runs), and :mod:`labs.link` (``Link``, an
+  emulated network those messages can go over: ``launch(..., link=Link(...))``).
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model fitted on this machine.
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
 * :mod:`labs.ddp` - chapter 5: ``NaiveDDP`` and bucketed, overlapped ``DDP``; :mod:`labs.train`
@@ -40,11 +41,13 @@ from labs.launcher import (
     rank_device,
     shutdown,
 )
+from labs.link import Link
 
 __all__ = [
     "MAX_WORLD_SIZE",
     "Backend",
     "LaunchTimeout",
+    "Link",
     "RankError",
     "RankResults",
     "StartMethod",

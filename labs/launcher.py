@@ -60,6 +60,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labs import link as emulated
+from labs.link import Link
 from labs.rank_errors import (
     LaunchTimeout,
     RankError,
@@ -149,6 +151,7 @@ class _RankSpec:
     stdout_path: str
     stderr_path: str
     stack_path: str  #: where faulthandler writes the stack when the launcher asks (timeout)
+    link: Link | None = None  #: the emulated wire of labs' point-to-point messages
 
 
 def launch(
@@ -162,6 +165,7 @@ def launch(
     threads: int | None = None,
     start_method: StartMethod = StartMethod.FORKSERVER,
     failure_grace: float = _FAILURE_GRACE_S,
+    link: Link | None = None,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
 
@@ -182,6 +186,8 @@ def launch(
             Default: the machine's cores divided by ``world_size``, at least 1, so that N ranks
             computing at once do not oversubscribe the cores.
         start_method: how rank processes are created; keep the default.
+        link: an emulated network (:class:`labs.link.Link`) for the messages of labs'
+            point-to-point layer; None (default) sends them over the real transport.
         failure_grace: seconds to wait, once a rank has failed, for the others to report
             (or fail) before the rest are stopped. The exercise checks wait longer, so that
             ranks failing the same way on a busy machine are all seen and their verdict
@@ -203,6 +209,11 @@ def launch(
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int (or None for cores / world_size), "
                          f"got {threads!r}.")
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(f"link must be a labs.Link (or None), got {type(link).__name__}.")
+    if link is not None and chosen is not Backend.GLOO:
+        raise ValueError("the emulated link runs on gloo (ranks on one machine, one clock): "
+                         "pass backend='gloo' with link=.")
     payload = pack_call(fn, args)
     started = time.monotonic()
     ctx = mp.get_context(start_method.value)
@@ -216,7 +227,7 @@ def launch(
                 store_path=str(Path(tmp) / "store"),
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),
-                stack_path=str(Path(tmp) / f"rank{rank}.stack"),
+                stack_path=str(Path(tmp) / f"rank{rank}.stack"), link=link,
             )
             for rank in range(world_size)
         ]
@@ -371,6 +382,7 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
     try:
         torch.set_num_threads(spec.threads)
         fn, args = unpack_call(payload)
+        emulated.use(spec.link)
         _join_group(spec)
         value = fn(spec.rank, spec.world_size, *args)
         message: tuple[str, Any] = ("ok", pack_result(value))

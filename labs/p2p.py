@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from labs import link
+
 
 class Phase(enum.Enum):
     """The two halves of a ring all-reduce."""
@@ -131,12 +133,23 @@ class Peers:
             stats.bytes_received += nbytes
 
     def isend(self, tensor: torch.Tensor, to: int, tag: int = 0) -> Work:
+        """Post a send of ``tensor`` to group rank ``to`` (on the emulated link, if the
+        launch has one: :mod:`labs.link`)."""
         self.count(tensor, sent=True)
-        return dist.isend(tensor, self.global_rank(to), group=self.group, tag=tag)
+        dst = self.global_rank(to)
+        if link.active() is not None:
+            return link.send(lambda wire: dist.isend(wire, dst, group=self.group, tag=tag),
+                             tensor)
+        return dist.isend(tensor, dst, group=self.group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Work:
+        """Post a receive into ``tensor`` from group rank ``source``."""
         self.count(tensor, sent=False)
-        return dist.irecv(tensor, self.global_rank(source), group=self.group, tag=tag)
+        src = self.global_rank(source)
+        if link.active() is not None:
+            return link.recv(lambda wire: dist.irecv(wire, src, group=self.group, tag=tag),
+                             tensor)
+        return dist.irecv(tensor, src, group=self.group, tag=tag)
 
     def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
         """Send ``send`` to ``to`` while receiving into ``recv`` from ``source``.
@@ -147,6 +160,12 @@ class Peers:
         longer batched at 2 ranks, a third longer at 4), so under gloo the receive is posted
         first, then the send."""
         sending, receiving = send.numel() > 0, recv.numel() > 0
+        if link.active() is not None:  # gloo only (launch refuses a link on nccl)
+            works = [self.irecv(recv, source)] if receiving else []
+            works += [self.isend(send, to)] if sending else []
+            for work in works:
+                work.wait()
+            return
         if sending:
             self.count(send, sent=True)
         if receiving:

@@ -19,12 +19,13 @@ import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from labs import link
 from labs.p2p import Peers, Phase, RingStep
 
 #: The default segment of the pipelined ring on CPU; chosen with ``python -m labs.bench
@@ -320,6 +321,9 @@ def execute(program: Program, peers: Peers | None = None) -> None:
     send, recv, right, left = group.send, group.recv, program.right, program.left
     wait, add, post_send = OpKind.WAIT, OpKind.ADD, OpKind.SEND
     counted = peers if peers is not None and peers.recorder is not None else None
+    if link.active() is not None:  # every message through the emulated wire's ports
+        send = _on_link(link.send, send)
+        recv = _on_link(link.recv, recv)
     for kind, handle, tensor, tag, addend, out in program.instructions:
         if kind is wait:
             works[handle].wait()
@@ -335,6 +339,11 @@ def execute(program: Program, peers: Peers | None = None) -> None:
                 works[handle] = send([tensor], right, tag)
             else:
                 works[handle] = recv([tensor], left, tag)
+
+
+def _on_link(through: Callable[..., Any], post: Callable[..., Work]) -> Callable[..., Any]:
+    """``post`` (a process group's ``send`` or ``recv``) with its message put on the link."""
+    return lambda tensors, peer, tag: through(lambda wire: post([wire], peer, tag), tensors[0])
 
 
 def run_ring(

@@ -1,0 +1,198 @@
+"""labs.Link: the emulated wire costs what its model says, on real ranks and real data.
+
+Times are the slowest rank's, from a barrier to the end of the call, the median of a few
+repeats; every one must be within 15 % of the model's closed form. The link is slow enough
+(20 ms of latency, 20 MB/s) that the real loopback's own cost is a small part of it, even
+with 8 ranks sharing 2 cores: the ranks sleep while they wait."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labs import Link, RankError, launch
+from labs.collectives import naive_all_reduce, recursive_doubling_all_reduce, ring_all_reduce
+from labs.p2p import Peers
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+LINK = Link(alpha=20e-3, bandwidth=20e6)
+NBYTES = 1 << 18  #: 256 KiB: 13 ms on the wire alone
+REPEATS = 3
+TOLERANCE = 0.15
+
+
+def _timed(call, repeats: int = REPEATS) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.monotonic()
+        call()
+        times.append(time.monotonic() - start)
+    return times
+
+
+def _slowest(per_rank: list[list[float]]) -> float:
+    """The median over repeats of the slowest rank's time."""
+    return statistics.median(max(times) for times in zip(*per_rank, strict=True))
+
+
+def ping_pong(rank: int, world_size: int, nbytes: int) -> list[float]:
+    peers = Peers.of(None, None)
+    data = torch.full((nbytes // 4,), float(rank))
+
+    def there_and_back() -> None:
+        if rank == 0:
+            peers.isend(data, 1).wait()
+            peers.irecv(data, 1).wait()
+        else:
+            peers.irecv(data, 0).wait()
+            peers.isend(data, 0).wait()
+
+    times = _timed(there_and_back)
+    assert float(data[0]) == 0.0  # rank 0's values went there and came back
+    return times if rank == 0 else [0.0] * len(times)
+
+
+def into_one(rank: int, world_size: int, nbytes: int) -> list[float]:
+    """Every other rank sends to rank 0 at once: they queue at its incoming port."""
+    peers = Peers.of(None, None)
+    data = torch.full((nbytes // 4,), float(rank))
+    got = [torch.empty_like(data) for _ in range(world_size)]
+
+    def gather() -> None:
+        if rank == 0:
+            works = [peers.irecv(got[src], src) for src in range(1, world_size)]
+        else:
+            works = [peers.isend(data, 0)]
+        for work in works:
+            work.wait()
+
+    times = _timed(gather)
+    if rank == 0:
+        assert [float(g[0]) for g in got[1:]] == [float(r) for r in range(1, world_size)]
+    return times
+
+
+def ring_step(rank: int, world_size: int, nbytes: int) -> list[float]:
+    peers = Peers.of(None, None)
+    send = torch.full((nbytes // 4,), float(rank))
+    recv = torch.empty_like(send)
+    times = _timed(lambda: peers.exchange(send, rank + 1, recv, rank - 1))
+    assert float(recv[0]) == float((rank - 1) % world_size)
+    return times
+
+
+def all_reduces(rank: int, world_size: int, nbytes: int) -> dict[str, list[float]]:
+    numel = nbytes // 4
+    expected = float(sum(range(world_size)))
+    calls = {
+        "naive": naive_all_reduce,
+        "ring": lambda t: ring_all_reduce(t, segment_bytes=nbytes),  # one message per step
+        "recursive doubling": recursive_doubling_all_reduce,
+    }
+    out = {}
+    for name, call in calls.items():
+        tensors = []
+
+        def one(call=call, tensors=tensors) -> None:
+            tensor = torch.full((numel,), float(rank))
+            call(tensor)
+            tensors.append(tensor)
+
+        out[name] = _timed(one)
+        assert all(float(t.min()) == float(t.max()) == expected for t in tensors), name
+    return out
+
+
+def closed_form(name: str, n: int, link: Link = LINK, nbytes: int = NBYTES) -> float:
+    """The cost on the link: alpha once per message on the critical path (messages that go
+    out at once overlap their latency), and the bytes through the busiest port."""
+    a, b = link.alpha, link.bandwidth
+    if name == "naive":  # N-1 messages queue into the root, then N-1 leave it one by one
+        return 2 * a + 2 * (n - 1) * nbytes / b
+    if name == "ring":  # 2(N-1) steps of one chunk
+        return 2 * (n - 1) * (a + nbytes / n / b)
+    return math.log2(n) * (a + nbytes / b)  # recursive doubling, N a power of two
+
+
+def within(measured: float, model: float) -> bool:
+    return abs(measured - model) <= TOLERANCE * model
+
+
+def recursive_doubling_bounds(n: int, link: Link = LINK, nbytes: int = NBYTES
+                              ) -> tuple[float, float]:
+    """N not a power of two (P the largest power below): log2 P exchanges plus the fold and
+    the hand-back, where the first exchange of the ranks that were not folded overlaps the
+    fold. At most the lock-step sum, (log2 P + 2)(alpha + S/bandwidth); at least log2 P + 1
+    of those messages, one after the other."""
+    one = link.seconds(nbytes)
+    rounds = n.bit_length() - 1
+    return (rounds + 1) * one, (rounds + 2) * one
+
+
+def test_one_message_costs_alpha_plus_n_over_bandwidth():
+    per_rank = launch(ping_pong, 2, args=(NBYTES,), link=LINK, echo=False)
+    measured = _slowest(per_rank) / 2
+    assert within(measured, LINK.seconds(NBYTES)), (measured, LINK.seconds(NBYTES))
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_messages_into_one_rank_queue_at_its_incoming_port(n):
+    measured = _slowest(launch(into_one, n, args=(NBYTES,), link=LINK, echo=False))
+    model = LINK.alpha + (n - 1) * NBYTES / LINK.bandwidth
+    assert within(measured, model), (measured, model)
+
+
+def test_a_ring_step_keeps_every_port_busy_once():
+    measured = _slowest(launch(ring_step, 4, args=(NBYTES,), link=LINK, echo=False))
+    assert within(measured, LINK.seconds(NBYTES)), (measured, LINK.seconds(NBYTES))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, pytest.param(5, marks=pytest.mark.slow),
+                               pytest.param(6, marks=pytest.mark.slow),
+                               pytest.param(7, marks=pytest.mark.slow), 8])
+def test_all_reduces_follow_their_closed_forms(n):
+    per_rank = launch(all_reduces, n, args=(NBYTES,), link=LINK, echo=False, timeout=120)
+    for name in per_rank[0]:
+        measured = _slowest([r[name] for r in per_rank])
+        if name == "recursive doubling" and n & (n - 1):
+            low, high = recursive_doubling_bounds(n)
+            assert low * (1 - TOLERANCE) <= measured <= high * (1 + TOLERANCE), (n, measured)
+            continue
+        model = closed_form(name, n)
+        assert within(measured, model), (name, n, measured, model)
+
+
+def test_without_a_link_the_real_transport_is_untouched():
+    per_rank = launch(ping_pong, 2, args=(NBYTES,), echo=False)
+    assert _slowest(per_rank) / 2 < LINK.seconds(NBYTES) / 2
+
+
+def test_bad_links_are_refused_before_any_process_starts():
+    for bad in (dict(alpha=-1.0, bandwidth=1e6), dict(alpha=1e-3, bandwidth=0.0),
+                dict(alpha=math.nan, bandwidth=1e6), dict(alpha=True, bandwidth=1e6)):
+        with pytest.raises(ValueError, match="Link"):
+            Link(**bad)
+    with pytest.raises(TypeError, match="labs.Link"):
+        launch(ping_pong, 2, args=(8,), link=(1e-3, 1e6))
+    with pytest.raises(ValueError, match="gloo"):
+        launch(ping_pong, 2, args=(8,), link=LINK, backend="nccl")
+
+
+def fails_in_the_middle(rank: int, world_size: int) -> None:
+    tensor = torch.ones(1 << 16)
+    ring_all_reduce(tensor, segment_bytes=1 << 20)
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    ring_all_reduce(tensor, segment_bytes=1 << 20)  # the others wait for rank 1 here
+
+
+def test_a_rank_that_fails_on_the_link_stops_the_launch_and_leaves_no_process():
+    with pytest.raises(RankError, match="rank 1 gives up"):
+        launch(fails_in_the_middle, 3, link=LINK, echo=False, timeout=60)
