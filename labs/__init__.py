@@ -14,7 +14,8 @@ order:
   beneath it :mod:`labs.p2p` (the point-to-point calls, counted) and
   :mod:`labs.ring_schedule` (how a ring pass runs), and :mod:`labs.link` (``Link``, an
   emulated network those messages can go over: ``launch(..., link=Link(...))``).
-* :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model fitted on this machine.
+* :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model, its closed forms on the
+  emulated link and its fit on this machine.
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
 * :mod:`labs.ddp` - chapter 5: ``NaiveDDP`` and bucketed, overlapped ``DDP``; :mod:`labs.train`
   is the transformer training lab (``python -m labs ddp``).

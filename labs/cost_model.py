@@ -1,28 +1,34 @@
-"""The latency-bandwidth (alpha-beta) cost model, fitted on this machine.
+"""The latency-bandwidth (alpha-beta) cost model: on the emulated link, and fitted on this machine.
 
 Chapter 2. A message of m bytes between two ranks takes ``T(m) = alpha + beta * m``: alpha is
 the fixed cost of a message (software overhead, a handshake, a wake-up), beta the seconds per
-byte on the link (1 / bandwidth). Reducing m bytes that arrived costs ``gamma * m`` more.
-This is Hockney's model (Parallel Computing 20, 1994); the closed forms for the collectives
-are those of Thakur, Rabenseifner and Gropp, "Optimization of collective communication
-operations in MPICH" (IJHPCA 2005), checked against the code of :mod:`labs.collectives`.
+byte on the link (1 / bandwidth). This is Hockney's model (Parallel Computing 20, 1994); the
+closed forms for the collectives are those of Thakur, Rabenseifner and Gropp, "Optimization of
+collective communication operations in MPICH" (IJHPCA 2005), checked against the code of
+:mod:`labs.collectives`.
 
-How it is fitted here: ranks 0 and 1 exchange m bytes (each sends and receives at once, as
-in a ring step) for m from 4 B to 4 MiB, and a line is fitted to the best time of each size
-(:func:`fit_alpha_beta`); gamma is the slope of ``torch.add`` times. On one machine the
-"link" is a memory copy made by the CPUs over loopback, so an exchange costs about twice a
-one-way message; alpha and beta are this machine's, not a network's.
+Two uses of it live here:
 
-What is in the model: one fixed cost per message on the critical path, the bytes on it at
-one link's speed, and one add per reduced byte. What is out: several pairs of ranks copying
-at once and competing for the cores and the memory bus (every rank of a ring sends at the
-same time; the fit measured one pair), ranks waiting for a core when there are more ranks
-than cores, the Python work of each call of the from-scratch collectives (it shows at small
-sizes), the pipelining of the CPU ring (segments overlap one step's transfer with the
-previous step's add, but each segment pays alpha), one-way messages (the naive root's) that
-cost less than the exchange the fit measured, and whatever algorithm torch's built-in picks
-(there is no closed form for ``Algorithm.TORCH``). :func:`plot_cost_model` shows measured /
-predicted beside the prediction, so where the model is wrong is visible, not hidden.
+* **On the emulated link** (:class:`labs.Link`), where the model is the wire:
+  :func:`predict_on_link` gives an all-reduce's time from the schedule of each algorithm and
+  the link's port model, and :func:`crossover_on_link` the size at which two algorithms take
+  equally long. Measured on real ranks, every time lands within a few per cent of these
+  (chapter 2 and ``tests/test_link_model.py`` show it).
+* **Fitted on this machine's real transport** (:func:`fit_alpha_beta`): ranks 0 and 1
+  exchange m bytes (each sends and receives at once, as in a ring step) for m from 4 B to
+  4 MiB, and a line is fitted to the best time of each size; reducing m bytes that arrived
+  costs ``gamma * m`` more (the slope of ``torch.add`` times). On one machine the "link" is a
+  memory copy made by the CPUs over loopback, so alpha is mostly CPU time that every message
+  pays in turn, and an exchange costs about twice a one-way message. :func:`predict` and
+  :func:`coefficients` price each algorithm with these parameters.
+
+What the fitted model leaves out: several pairs of ranks copying at once and competing for the
+cores and the memory bus (every rank of a ring sends at the same time; the fit measured one
+pair), ranks waiting for a core when there are more ranks than cores, the Python work of each
+call of the from-scratch collectives (it shows at small sizes), the pipelining of the CPU ring,
+one-way messages (the naive root's) that cost less than the exchange the fit measured, and
+whatever algorithm torch's built-in picks (there is no closed form for ``Algorithm.TORCH``).
+:func:`measured_over_predicted` and :func:`plot_cost_model` show where it is wrong.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from labs.collectives import Algorithm, Collective
+from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective
 from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p, time_reduction
 from labs.experiments.timing import COMM_THREADS, Statistic, format_size
 from labs.launcher import cpu_cores, launch
+from labs.link import Link
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -355,6 +362,125 @@ def crossover_bytes(
         return None
     size = (intercept_b - intercept_a) / (slope_a - slope_b)
     return size if size > 0 and math.isfinite(size) else None
+
+
+# --- on the emulated link ---------------------------------------------------------------------
+
+#: The all-reduces :func:`predict_on_link` prices: every one built on labs' point-to-point layer
+#: (torch's built-in sends its own messages, which the link does not carry).
+LINK_ALGORITHMS: tuple[Algorithm, ...] = (Algorithm.NAIVE, Algorithm.WHOLE_TENSOR_RING,
+                                          Algorithm.RING, Algorithm.RECURSIVE_DOUBLING)
+
+
+def predict_on_link(
+    algorithm: Algorithm, size_bytes: float, world_size: int, link: Link,
+    *, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+) -> float:
+    """Seconds of one all-reduce of S = ``size_bytes`` on N = ``world_size`` ranks over
+    ``link``, every rank starting at the same moment, by the link's port model.
+
+    The port model (:mod:`labs.link`): every rank has one outgoing and one incoming port. A
+    message of m bytes occupies its sender's outgoing port for m/bw seconds, and the
+    receiver's incoming port for m/bw seconds from alpha after it started leaving, so a
+    message alone costs alpha + m/bw; a port carries one message at a time, in the order they
+    were posted. Latencies overlap, bytes through one port do not. With B = S/bw:
+
+    * naive: ``2 alpha + 2(N-1) B``. The N-1 tensors leave their ranks at once and queue at
+      the root's incoming port (alpha + (N-1)B); the root's N-1 sends queue at its outgoing
+      port the same way (alpha + (N-1)B more).
+    * ring, chunks of c = S/N no larger than a segment (or ``segment_bytes=None``, lock-step):
+      ``2(N-1)(alpha + c/bw)``: 2(N-1) steps, each one chunk through every port.
+    * ring, chunks cut into segments of s = min(segment, c) and pipelined:
+      ``alpha + c/bw + (2N-3) max(c/bw, alpha + s/bw)``. Each step after the first costs
+      either c/bw, when the outgoing port streams the segments back to back, or alpha + s/bw,
+      when the step's first segment waits for its latency. With s = c it is the lock-step form.
+    * recursive doubling, N = 2^k: ``log2 N (alpha + B)``: k swaps of S.
+    * recursive doubling, other N (P the largest power of two below N, R = N - P): the exact
+      time follows the schedule of :func:`labs.collectives.recursive_doubling_all_reduce`.
+      The R folded ranks start their rounds at alpha + B (a swap of ranks ready at t_x and
+      t_y ends at ``max(t_x, t_y + alpha) + B`` on x), the others at 0; after log2 P rounds
+      each folded rank hands the result back (alpha + B more). The fold and the hand-back
+      overlap the rounds in part: the time lies between (log2 P + 1)(alpha + B) and
+      (log2 P + 2)(alpha + B), where it depends on which partners the late ranks meet.
+    * whole-tensor ring: ``(N-1)(alpha + B)``.
+
+    Additions are not priced: a rank adds what it received at memory speed, far faster than a
+    link chosen to be slow carries it (chapter 2 measures both before choosing its link).
+    Uneven chunks (S/N not a whole number of elements) are taken as S/N.
+    """
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be a labs.Link, got {type(link).__name__}.")
+    if algorithm not in LINK_ALGORITHMS:
+        raise ValueError(f"{algorithm.name} has no form on the link: torch's built-in sends its "
+                         "own messages, which labs.Link does not carry.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
+    if not isinstance(size_bytes, (int, float)) or not math.isfinite(size_bytes) \
+            or size_bytes < 0:
+        raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}.")
+    n, alpha, bw = world_size, link.alpha, link.bandwidth
+    if n == 1 or size_bytes == 0:
+        return 0.0
+    whole = size_bytes / bw
+    if algorithm is Algorithm.NAIVE:
+        return 2 * alpha + 2 * (n - 1) * whole
+    if algorithm is Algorithm.WHOLE_TENSOR_RING:
+        return (n - 1) * (alpha + whole)
+    if algorithm is Algorithm.RING:
+        chunk = size_bytes / n
+        segment = chunk if segment_bytes is None else min(chunk, segment_bytes)
+        return alpha + chunk / bw + (2 * n - 3) * max(chunk / bw, alpha + segment / bw)
+    return _doubling_on_link(n, alpha, whole)
+
+
+def _doubling_on_link(world_size: int, alpha: float, whole: float) -> float:
+    """Recursive doubling on the link (``whole`` = S/bw): the rounds of the P = 2^k ranks
+    that remain after the fold, each a swap that ends at ``max(t_x, t_y + alpha) + whole`` on
+    rank x (its incoming port is free from t_x on, and y's message left at t_y)."""
+    power = 1 << (world_size.bit_length() - 1)
+    extra = world_size - power
+    ready = [alpha + whole if v < extra else 0.0 for v in range(power)]  # virtual ranks
+    mask = 1
+    while mask < power:
+        ready = [max(ready[v], ready[v ^ mask] + alpha) + whole for v in range(power)]
+        mask <<= 1
+    folded = [t + alpha + whole for t in ready[:extra]]  # the hand-back to the even ranks
+    return max(ready + folded)
+
+
+def crossover_on_link(
+    a: Algorithm, b: Algorithm, world_size: int, link: Link,
+    *, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+) -> float | None:
+    """The size S at which ``a`` and ``b`` take equally long on ``link`` (bytes), the faster
+    one changing there, or None if one is faster at every size from 1 B to 1 TiB (or as fast:
+    at N = 2 the pipelined ring ties with recursive doubling once its port is the bottleneck).
+
+    For the lock-step ring against recursive doubling at N = 2^k the two lines meet where
+    ``2(N-1)(alpha + S/(N bw)) = k (alpha + S/bw)``:
+    ``S* = alpha bw (2(N-1) - k) / (k - 2(N-1)/N)``. The ring's pipelined form and recursive
+    doubling's other N are lines in pieces, so the crossing is found by bisection on the
+    predictions themselves (to 1e-12 relative), which gives that S* wherever it applies.
+    """
+    def gap(size: float) -> float:
+        """a's time - b's, 0 where they agree to 1e-9 (rounding, not a crossing)."""
+        t_a, t_b = (predict_on_link(x, size, world_size, link, segment_bytes=segment_bytes)
+                    for x in (a, b))
+        return 0.0 if abs(t_a - t_b) <= 1e-9 * max(t_a, t_b) else t_a - t_b
+
+    grid = [2.0 ** e for e in range(41)]  # 1 B .. 1 TiB
+    signed = [(size, gap(size)) for size in grid]
+    signed = [(size, g) for size, g in signed if g != 0]  # equal there: no crossing yet
+    for (low, g_low), (high, g_high) in zip(signed, signed[1:], strict=False):
+        if g_low * g_high < 0:
+            while high / low > 1 + 1e-12:
+                middle = math.sqrt(low * high)
+                if gap(middle) * g_low > 0:
+                    low = middle
+                else:
+                    high = middle
+            return math.sqrt(low * high)
+    return None
 
 
 def measured_over_predicted(

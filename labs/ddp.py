@@ -22,6 +22,13 @@ messages and when they are sent:
   all-reduce asynchronously the moment its last gradient is ready, so communication runs
   while backward computes the gradients of earlier layers.
 
+Where the gradients travel depends on the launch. On the real transport both wrappers call
+torch's ``dist.all_reduce``. When the launch has an emulated network
+(``launch(..., link=labs.Link(alpha, bandwidth))``, :mod:`labs.link`), which carries only labs'
+own point-to-point messages, both all-reduce with labs' lock-step ring instead
+(:func:`all_reduce_sum`), and :class:`DDP` hands each full bucket to a background thread
+(:class:`CommStream`) so that the emulated transfers run while backward computes.
+
 The names follow ``torch.nn.parallel.DistributedDataParallel``: ``.module``, ``no_sync()``,
 ``bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``.
 """
@@ -30,14 +37,21 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import queue
+import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from labs import link
+from labs.collectives import ring_all_reduce
 
 #: torch DDP's default bucket size, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -57,6 +71,20 @@ def broadcast_state(module: nn.Module, group: dist.ProcessGroup | None = None, s
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src,
                            group=group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Sum ``tensor`` over the ranks of ``group``, in place, and return when it is done.
+
+    On the real transport this is torch's ``dist.all_reduce``. When the launch has an
+    emulated link (:func:`labs.link.active`), torch's collectives would bypass it, so this runs
+    labs' lock-step ring (:func:`labs.collectives.ring_all_reduce`, one message per ring step):
+    2(N-1) messages of S/N bytes one after the other, 2(N-1)(alpha + S / (N bandwidth))
+    seconds on the link, at N = 2 two messages, 2 alpha + S / bandwidth."""
+    if link.active() is not None:
+        ring_all_reduce(tensor, group=group, segment_bytes=None)
+    else:
+        dist.all_reduce(tensor, group=group)
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -89,8 +117,10 @@ class NaiveDDP(_SyncMixin, nn.Module):
 
     At construction the parameters and buffers of rank 0 are broadcast to every rank.
     :meth:`finish_gradient_synchronization` then sums each trainable parameter's gradient
-    over the ranks and divides by N: ``len(parameters)`` blocking all-reduces per step,
-    started only after backward has finished.
+    over the ranks (:func:`all_reduce_sum`) and divides by N: ``len(parameters)`` blocking
+    all-reduces per step, started only after backward has finished. ``timeline`` records
+    when each one started and ended (keyed by the parameter's index in
+    :func:`trainable_parameters`).
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None
@@ -99,6 +129,7 @@ class NaiveDDP(_SyncMixin, nn.Module):
         self.module = module
         self.process_group = process_group
         self.require_backward_grad_sync = True
+        self.timeline = StepTimeline()
         broadcast_state(module, process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -120,8 +151,10 @@ class NaiveDDP(_SyncMixin, nn.Module):
                 "this rank cannot all-reduce the same gradients as the others. Use every "
                 "parameter in forward, freeze it (requires_grad=False), or use "
                 "DDP(..., find_unused_parameters=True).")
-        for _, param in trainable_parameters(self.module):
-            dist.all_reduce(param.grad, group=self.process_group)
+        for index, (_, param) in enumerate(trainable_parameters(self.module)):
+            self.timeline.launched[index] = time.perf_counter()
+            all_reduce_sum(param.grad, self.process_group)  # blocks until every rank's is in
+            self.timeline.done[index] = time.perf_counter()
             param.grad /= world_size
 
 
@@ -155,7 +188,8 @@ class Bucket:
     arrived: set[int] = field(default_factory=set)
     """Positions (in ``params``) whose gradient has been copied into ``buffer``."""
     work: Any = None
-    """The all-reduce's ``dist.Work`` while LAUNCHED."""
+    """The all-reduce's ``dist.Work`` (or, on an emulated link, its :class:`CommStream`
+    future) while LAUNCHED."""
 
     def slot(self, position: int) -> torch.Tensor:
         """The part of ``buffer`` that holds ``params[position]``'s gradient (a view)."""
@@ -190,14 +224,20 @@ def assign_buckets(params: list[tuple[str, nn.Parameter]], bucket_cap_mb: float
 
 @dataclass
 class StepTimeline:
-    """Timestamps (``time.perf_counter()`` seconds) of one backward pass under :class:`DDP`."""
+    """Timestamps (``time.perf_counter()`` seconds) of one backward pass under :class:`DDP`
+    (or :class:`NaiveDDP`, whose every parameter is a bucket of its own)."""
 
     grad_ready: dict[str, float] = field(default_factory=dict)
     """Parameter name -> when its gradient was accumulated (its hook ran)."""
     launched: dict[int, float] = field(default_factory=dict)
-    """Bucket index -> when its all-reduce was started."""
+    """Bucket index -> when its all-reduce was launched (handed to gloo, or to the
+    :class:`CommStream`)."""
+    started: dict[int, float] = field(default_factory=dict)
+    """Bucket index -> when the :class:`CommStream` began sending it (on an emulated link
+    only; it may wait there behind earlier buckets)."""
     done: dict[int, float] = field(default_factory=dict)
-    """Bucket index -> when its all-reduce completed (recorded by the work's future)."""
+    """Bucket index -> when its all-reduce completed (recorded by the work's future, or by
+    the :class:`CommStream`)."""
     finished: float | None = None
     """When ``finish_gradient_synchronization()`` returned."""
 
@@ -233,6 +273,75 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+# --- the communication thread (on an emulated link) -------------------------------------------
+
+
+class CommStream:
+    """One background thread that runs the jobs handed to it one at a time, in the order they
+    were handed over: labs' stand-in for the CUDA stream on which torch's DDP (through NCCL)
+    runs its all-reduces beside the stream that computes backward.
+
+    :class:`DDP` uses it on an emulated link, where an all-reduce is labs' ring, plain Python
+    that would block the thread calling it. The main thread goes on with backward while this
+    one sends; the link's waits are sleeps and torch's kernels release the GIL, so the two
+    overlap even on one core per rank. One thread keeps the order: every rank hands its
+    buckets over in the same order, so every rank's thread makes the same calls in the same
+    order, as a stream would.
+
+    The rule that goes with it: while jobs are pending, the main thread makes no collective
+    of its own (two threads calling one process group at once could interleave their
+    messages); :meth:`synchronize` first. A job that raises fails its future, and every job
+    after it is skipped; :meth:`synchronize` re-raises the first failure in the caller. The
+    thread is a daemon, so it never keeps a rank process alive, and it ends once its stream
+    is garbage-collected (a :class:`DDP` is, once :meth:`DDP.remove_hooks` has run: until
+    then its parameters' hooks refer to it).
+    """
+
+    def __init__(self, name: str = "labs-comm-stream") -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = (
+            queue.SimpleQueue())
+        self._pending: list[Future[None]] = []
+        self.thread = threading.Thread(target=_serve, args=(self._jobs,), name=name,
+                                       daemon=True)
+        self.thread.start()
+        # The thread holds only the queue, never the stream: once the stream is collected,
+        # the sentinel ends the thread.
+        weakref.finalize(self, self._jobs.put, None)
+
+    def submit(self, job: Callable[[], None]) -> Future[None]:
+        """Queue ``job`` behind the jobs already handed over; returns at once."""
+        future: Future[None] = Future()
+        self._pending.append(future)
+        self._jobs.put((job, future))
+        return future
+
+    def synchronize(self) -> None:
+        """Wait for every job handed over so far; re-raise the first failure here."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+
+def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]) -> None:
+    """The body of a :class:`CommStream`'s thread: run jobs in order until the sentinel."""
+    failed: str | None = None  # the first failure, as text (its traceback holds frames)
+    while (item := jobs.get()) is not None:
+        job, future = item
+        del item  # while waiting for the next job, hold nothing the last one referred to
+        if failed is not None:
+            future.set_exception(RuntimeError(
+                f"skipped: an earlier job on this stream failed ({failed})"))
+        else:
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                failed = repr(exc)
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        del job, future
+
+
 class DDP(_SyncMixin, nn.Module):
     """Bucketed data parallelism with communication overlapping backward.
 
@@ -244,6 +353,10 @@ class DDP(_SyncMixin, nn.Module):
     :meth:`finish_gradient_synchronization` waits for every bucket and writes sum / N back
     into ``p.grad``. (torch divides the bucket by N before its all-reduce: one more pass over
     the bucket, and at N not a power of two a different rounding.)
+
+    On an emulated link (a launch given ``link=``), a full bucket goes instead to this
+    wrapper's :class:`CommStream`, whose thread all-reduces the buckets one after another with
+    :func:`all_reduce_sum` while backward goes on; finishing waits for that thread first.
 
     Memory: one extra copy of the trainable gradients (the buckets). torch's
     ``gradient_as_bucket_view=True`` avoids it by making ``p.grad`` a view of the bucket.
@@ -274,6 +387,8 @@ class DDP(_SyncMixin, nn.Module):
         self.require_backward_grad_sync = True
         self.world_size = dist.get_world_size(process_group)
         self.timeline = StepTimeline()
+        #: Where buckets are all-reduced on an emulated link; None: gloo's own async collective.
+        self._stream = CommStream() if link.active() is not None else None
         broadcast_state(module, process_group)
         self.buckets: list[Bucket] = []
         #: parameter id -> (its bucket, its position there, its index in the flat order)
@@ -383,11 +498,21 @@ class DDP(_SyncMixin, nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         self.timeline.launched[bucket.index] = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         bucket.state = BucketState.LAUNCHED
+        if self._stream is not None:
+            bucket.work = self._stream.submit(
+                lambda t=self.timeline: self._all_reduce_on_stream(bucket, t))
+            return
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         done = self.timeline.done
         bucket.work.get_future().then(
             lambda _fut, i=bucket.index: done.__setitem__(i, time.perf_counter()))
+
+    def _all_reduce_on_stream(self, bucket: Bucket, timeline: StepTimeline) -> None:
+        """A :class:`CommStream` job: sum one bucket over the ranks, on the link."""
+        timeline.started[bucket.index] = time.perf_counter()
+        all_reduce_sum(bucket.buffer, self.process_group)
+        timeline.done[bucket.index] = time.perf_counter()
 
     # -- after backward --
 
@@ -406,9 +531,12 @@ class DDP(_SyncMixin, nn.Module):
                 f"DDP: parameter(s) {missing} got no gradient in this backward pass, so their "
                 "buckets were never full and never all-reduced; the other ranks may be "
                 f"waiting for them. To fix it: {hint}.")
+        if self._stream is not None:
+            self._stream.synchronize()  # every bucket summed; the main thread may talk again
         used = self._globally_used() if self.find_unused_parameters else None
         for bucket in self.buckets:
-            bucket.work.wait()
+            if self._stream is None:
+                bucket.work.wait()
             for position, param in enumerate(bucket.params):
                 if param.grad is not None and (used is None or self._locally_used[
                         self._where[id(param)][2]]):

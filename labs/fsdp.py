@@ -63,6 +63,10 @@ class Event(enum.Enum):
 
     UNSHARD_FORWARD = "all-gather for forward"
     """The unit's full vector has been gathered and its forward is about to run."""
+    PREFETCH = "prefetch all-gather"
+    """The unit's all-gather has been started, before the unit that runs just ahead of it
+    computes, and is in flight (torch collectives, from the second step on: the order of the
+    previous step tells which unit comes next). Its storage is allocated from now on."""
     RESHARD_FORWARD = "free after forward"
     """The unit's forward is done and its gathered vector has been freed."""
     UNSHARD_BACKWARD = "all-gather for backward"
@@ -499,6 +503,7 @@ class FSDP(nn.Module):
         position = order.index(unit)
         if position + 1 < len(order) and order[position + 1].state is ShardedState.SHARDED:
             self.unshard(order[position + 1], prefetch=True)
+            self._notify(Event.PREFETCH, order[position + 1])
 
     def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> None:
         del args

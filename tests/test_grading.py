@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "notebooks"
 #: The reference notebooks with exercises (the appendix has none: release skips it).
 CHAPTERS = {c.name: c for c in load_chapters(REFERENCE) if c.exercises}
-ALL_EXERCISES = ["1.1", "2.1", "3.1", "4.1", "4.2", "5.1", "5.2", "6.1", "6.2", "6.3"]
+ALL_EXERCISES = ["1.1", "2.1", "3.1", "4.1", "4.2", "5.1", "5.2", "6.1", "6.2", "6.3", "6.4",
+                 "6.5"]
 SEED = 11  # hidden cases of the end-to-end runs: fixed, so a failure here can be rerun
 
 
@@ -369,6 +370,9 @@ MUTATIONS = [
     ("6.2", "out = x @ weight.T + bias", "out = x @ weight + bias"),
     ("6.3", "return ring_reduce_scatter(padded) / world_size",
      "return ring_reduce_scatter(padded)"),
+    ("6.4", "grad_shards[param] = ring_reduce_scatter(padded) / world_size",
+     "grad_shards[param] = ring_reduce_scatter(padded)"),
+    ("6.5", "(grad_out.T @ x)", "(x.T @ grad_out)"),
 ]
 
 

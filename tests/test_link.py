@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 
 from labs import Link, RankError, launch
-from labs.collectives import naive_all_reduce, recursive_doubling_all_reduce, ring_all_reduce
+from labs.collectives import (
+    Algorithm,
+    naive_all_reduce,
+    recursive_doubling_all_reduce,
+    ring_all_reduce,
+)
+from labs.cost_model import predict_on_link
 from labs.p2p import Peers
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -112,30 +118,8 @@ def all_reduces(rank: int, world_size: int, nbytes: int) -> dict[str, list[float
     return out
 
 
-def closed_form(name: str, n: int, link: Link = LINK, nbytes: int = NBYTES) -> float:
-    """The cost on the link: alpha once per message on the critical path (messages that go
-    out at once overlap their latency), and the bytes through the busiest port."""
-    a, b = link.alpha, link.bandwidth
-    if name == "naive":  # N-1 messages queue into the root, then N-1 leave it one by one
-        return 2 * a + 2 * (n - 1) * nbytes / b
-    if name == "ring":  # 2(N-1) steps of one chunk
-        return 2 * (n - 1) * (a + nbytes / n / b)
-    return math.log2(n) * (a + nbytes / b)  # recursive doubling, N a power of two
-
-
 def within(measured: float, model: float) -> bool:
     return abs(measured - model) <= TOLERANCE * model
-
-
-def recursive_doubling_bounds(n: int, link: Link = LINK, nbytes: int = NBYTES
-                              ) -> tuple[float, float]:
-    """N not a power of two (P the largest power below): log2 P exchanges plus the fold and
-    the hand-back, where the first exchange of the ranks that were not folded overlaps the
-    fold. At most the lock-step sum, (log2 P + 2)(alpha + S/bandwidth); at least log2 P + 1
-    of those messages, one after the other."""
-    one = link.seconds(nbytes)
-    rounds = n.bit_length() - 1
-    return (rounds + 1) * one, (rounds + 2) * one
 
 
 def test_one_message_costs_alpha_plus_n_over_bandwidth():
@@ -160,14 +144,13 @@ def test_a_ring_step_keeps_every_port_busy_once():
                                pytest.param(6, marks=pytest.mark.slow),
                                pytest.param(7, marks=pytest.mark.slow), 8])
 def test_all_reduces_follow_their_closed_forms(n):
+    """The closed forms are labs.cost_model's (the chapter's): one message per ring step here
+    (segments as large as a chunk), and recursive doubling's exact schedule when N is not a
+    power of two."""
     per_rank = launch(all_reduces, n, args=(NBYTES,), link=LINK, echo=False, timeout=120)
     for name in per_rank[0]:
         measured = _slowest([r[name] for r in per_rank])
-        if name == "recursive doubling" and n & (n - 1):
-            low, high = recursive_doubling_bounds(n)
-            assert low * (1 - TOLERANCE) <= measured <= high * (1 + TOLERANCE), (n, measured)
-            continue
-        model = closed_form(name, n)
+        model = predict_on_link(Algorithm(name), NBYTES, n, LINK, segment_bytes=NBYTES)
         assert within(measured, model), (name, n, measured, model)
 
 

@@ -6,7 +6,8 @@
 The model is an MLP of ``--layers`` square Linear layers (``--width``; the defaults give
 10.5 M parameters, 40 MiB of float32 gradients). Every implementation trains the same model
 on the same batch in the same launch, their order alternating each step; a row reports the
-median over steps (and launches) of the slowest rank's time per step. ``no sync`` is the
+median over steps (and launches) of the slowest rank's time per step, and the range from the
+fastest step to the slowest. ``no sync`` is the
 compute-only floor; the difference to it is what synchronising the gradients costs.
 """
 

@@ -2,12 +2,13 @@
 
 One module per chapter on a shared skeleton: exercise 1.1 in :mod:`labs.checks.toy`, exercises
 2.1-4.2 in :mod:`labs.checks.collectives`, 5.1-5.2 in :mod:`labs.checks.ddp`, 6.1-6.3 in
-:mod:`labs.checks.zero`, each with its rank worker, its judge and its explanations (and, where
-they are long, its cases and reference answers in the ``*_cases`` module beside it). The
-skeleton: :mod:`labs.checks.core` (the verdict, the validation, the plan of what a seed runs,
-the run over world sizes, reading a failed or hung launch) and :mod:`labs.checks.watch` (what
-the ranks patch and count in ``torch.distributed``). A notebook imports every check from
-here: ``from labs.checks import check_ring_all_reduce``.
+:mod:`labs.checks.zero`, 6.4-6.5 in :mod:`labs.checks.zero_grad`, each with its rank worker,
+its judge and its explanations (and, where they are long, its cases and reference answers in
+the ``*_cases`` module beside it). The skeleton: :mod:`labs.checks.core` (the verdict, the
+validation, the plan of what a seed runs, the run over world sizes, reading a failed or hung
+launch) and :mod:`labs.checks.watch` (what the ranks patch and count in
+``torch.distributed``). A notebook imports every check from here:
+``from labs.checks import check_ring_all_reduce``.
 
 ``seed=0`` runs the documented cases. Any other seed also draws hidden cases from
 ``random.Random(seed)`` (other world sizes, shapes or values), and the verdict names what it
@@ -30,6 +31,7 @@ from labs.checks.zero import (
     check_reduce_scatter_grad,
     check_sharded_sgd_step,
 )
+from labs.checks.zero_grad import check_fsdp_linear_backward, check_zero2_grad_hook
 
 __all__ = [
     "CheckResult",
@@ -38,6 +40,7 @@ __all__ = [
     "check_average_gradients",
     "check_bucketed_ddp",
     "check_composed_all_reduce",
+    "check_fsdp_linear_backward",
     "check_fsdp_linear_forward",
     "check_reduce_scatter_grad",
     "check_ring_all_gather",
@@ -45,5 +48,6 @@ __all__ = [
     "check_ring_reduce_scatter",
     "check_sharded_sgd_step",
     "check_simple_ddp",
+    "check_zero2_grad_hook",
     "report",
 ]

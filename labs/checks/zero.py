@@ -27,7 +27,8 @@ padded tensor (S = N·k·4 bytes) costs exactly (N-1)/N·S; each rank may send n
 Exercise 6.3 refuses all-reduces outright.
 
 ``seed=0`` runs the documented cases; any other seed also draws one more world size (5 or 6)
-and other shapes from ``random.Random(seed)``, and the verdict names them.
+and other shapes from ``random.Random(seed)``, and the verdict names them. Exercises 6.4 and
+6.5, the gradients' side of ZeRO-2 and FSDP, are checked in :mod:`labs.checks.zero_grad`.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class _Call:
 _Made = AllocationTracker
 #: gloo's worker threads drop the tensors of a finished collective a little after wait()
 #: returns: a rank looks this many times, 10 ms apart, before it counts what is alive as held.
-_SETTLE_LOOKS = 100
+SETTLE_LOOKS = 100
 
 
 def _measured(call: Callable[[], object], traffic: Traffic,
@@ -150,9 +151,10 @@ def _measured(call: Callable[[], object], traffic: Traffic,
                  traffic.all_reduced), made
 
 
-def _settle(made: Sequence[_Made]) -> None:
-    """Gives gloo's finished work, and tensors in reference cycles, a chance to go."""
-    for look in range(_SETTLE_LOOKS):
+def settle(made: Sequence[AllocationTracker]) -> None:
+    """Gives gloo's finished work, and tensors in reference cycles, a chance to go, before
+    ``made``'s live bytes are read (exercises 6.4 and 6.5 settle so too)."""
+    for look in range(SETTLE_LOOKS):
         if not any(m.live_bytes for m in made):
             return
         if look == 5:
@@ -219,14 +221,15 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Zero
         for index, case in enumerate(cases):
             with case_noted(index):
                 results.append(run(fn, rank, world_size, index, case, seed, traffic, inputs))
-    _settle([made for calls in results for _, made in calls])
+    settle([made for calls in results for _, made in calls])
     return [[replace(call, held=made.live_bytes) for call, made in calls] for calls in results]
 
 
 # --- judging values ---------------------------------------------------------------------------
 
 
-def _elements(q: int, k: int) -> str:
+def elements_text(q: int, k: int) -> str:
+    """Shard q of k elements, in words."""
     return f"shard {q}, elements [{q * k}, {(q + 1) * k})"
 
 
@@ -261,16 +264,16 @@ def _judge_momentum(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tenso
         return ""
     if torch.equal(got, shard_of(before, n, r)):
         return (f"momentum_shards[{i}] was not updated. Update it in place, "
-                f"m.mul_(beta).add_(g_shard), g_shard being this rank's {_elements(r, k)} "
+                f"m.mul_(beta).add_(g_shard), g_shard being this rank's {elements_text(r, k)} "
                 "of the flattened, zero-padded gradient. (A full-size momentum kept elsewhere "
                 "is the N-fold memory that ZeRO-1 saves.)")
     other = [q for q in range(n) if q != r and torch.equal(got, shard_of(want, n, q))]
     if other:
-        return (f"momentum_shards[{i}] holds the momentum of {_elements(other[0], k)}, not "
-                f"of this rank's {_elements(r, k)}: rank r owns elements [r*k, (r+1)*k) of "
+        return (f"momentum_shards[{i}] holds the momentum of {elements_text(other[0], k)}, not "
+                f"of this rank's {elements_text(r, k)}: rank r owns elements [r*k, (r+1)*k) of "
                 f"the flattened, zero-padded parameter, k = ceil(numel / N) = {k}.")
     return (f"momentum_shards[{i}]: " + first_difference(got, shard_of(want, n, r), (
-        f"m = beta * m + g_shard on {_elements(r, k)}")) + ".")
+        f"m = beta * m + g_shard on {elements_text(r, k)}")) + ".")
 
 
 def _judge_param(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
@@ -286,11 +289,11 @@ def _judge_param(n: int, r: int, i: int, got: torch.Tensor, want: torch.Tensor,
     wrong = [(q, a, b) for q, a, b in spans if not torch.equal(flat[a:b], ok[a:b])]
     if (n > 1 and r not in [q for q, _, _ in wrong]
             and all(torch.equal(flat[a:b], old[a:b]) for _, a, b in wrong)):
-        return (f"only this rank's own shard of parameter {i} ({_elements(r, k)}) was "
+        return (f"only this rank's own shard of parameter {i} ({elements_text(r, k)}) was "
                 "updated; the other shards still hold the old values. All-gather the updated "
                 "shards, so that every rank holds the whole updated parameter.")
     q, a, b = wrong[0]
-    return (f"parameter {i}, {_elements(q, k)}: " + first_difference(
+    return (f"parameter {i}, {elements_text(q, k)}: " + first_difference(
         flat[a:b], ok[a:b], f"after the all-gather, shard {q} holds rank {q}'s update") + ".")
 
 
@@ -364,13 +367,13 @@ def _judge_grad(n: int, index: int, case: Case, seed: int, calls: Sequence[list[
         if got is None or got.dim() != 1:
             what = call.returned_type if got is None else f"a tensor of shape {tuple(got.shape)}"
             return (f"rank {r}: returned {what}; it must return a 1-D tensor of k = ceil(numel / "
-                    f"N) = {k} element(s), {_elements(r, k)} of the mean.")
+                    f"N) = {k} element(s), {elements_text(r, k)} of the mean.")
         if _close(got, want):
             continue
         chunk = torch.tensor_split(total.reshape(-1) / n, n)[r]
         if n > 1 and _close(got, mean):
             return (f"rank {r}: returned the whole mean ({got.numel()} elements); return only "
-                    f"this rank's {_elements(r, k)}: 1/N of the memory, for (N-1)/N·S bytes.")
+                    f"this rank's {elements_text(r, k)}: 1/N of the memory, for (N-1)/N·S bytes.")
         if _close(got, chunk):
             return (f"rank {r}: returned chunk {r} of torch.tensor_split (shard_bounds: the first "
                     "numel % N chunks one element longer), not the ZeRO shard: zero-pad the "
@@ -384,14 +387,15 @@ def _judge_grad(n: int, index: int, case: Case, seed: int, calls: Sequence[list[
                     "sums; divide by the world size.")
         other = [q for q in range(n) if q != r and _close(got, shard_of(mean, n, q))]
         if other:
-            return (f"rank {r}: returned {_elements(other[0], k)} of the mean, not its own "
-                    f"{_elements(r, k)}: rank r owns elements [r*k, (r+1)*k).")
+            return (f"rank {r}: returned {elements_text(other[0], k)} of the mean, not its own "
+                    f"{elements_text(r, k)}: rank r owns elements [r*k, (r+1)*k).")
         divisor = next((d for d in range(1, 2 * n + 1) if d != n
                         and _close(got, shard_of(summed, n, r) / d)), 0)
         if n > 1 and divisor:
             return (f"rank {r}: returned the sum divided by {divisor}, not by the world size {n}: "
                     "divide by dist.get_world_size().")
-        return f"rank {r}: " + first_difference(got, want, f"{_elements(r, k)} of the mean") + "."
+        return f"rank {r}: " + first_difference(
+            got, want, f"{elements_text(r, k)} of the mean") + "."
     return ""
 
 

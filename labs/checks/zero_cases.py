@@ -42,18 +42,29 @@ class ZeroExercise(enum.Enum):
     FSDP_FORWARD = "6.2"
     #: ``reduce_scatter_grad(grad) -> Tensor``: this rank's shard of the mean gradient.
     REDUCE_SCATTER_GRAD = "6.3"
+    #: ``zero2_grad_hook(param, grad_shards)``: ZeRO-2's post-accumulate-grad hook
+    #: (:mod:`labs.checks.zero_grad`).
+    GRAD_HOOK = "6.4"
+    #: ``fsdp_linear_backward(shard, in_features, out_features, x, grad_out) -> (grad_x,
+    #: grad_shard)``: one FSDP unit's backward (:mod:`labs.checks.zero_grad`).
+    FSDP_BACKWARD = "6.5"
 
     @property
     def function(self) -> str:
         return {ZeroExercise.SHARDED_STEP: "sharded_sgd_step",
                 ZeroExercise.FSDP_FORWARD: "fsdp_linear_forward",
-                ZeroExercise.REDUCE_SCATTER_GRAD: "reduce_scatter_grad"}[self]
+                ZeroExercise.REDUCE_SCATTER_GRAD: "reduce_scatter_grad",
+                ZeroExercise.GRAD_HOOK: "zero2_grad_hook",
+                ZeroExercise.FSDP_BACKWARD: "fsdp_linear_backward"}[self]
 
     @property
     def parameters(self) -> tuple[str, ...]:
         return {ZeroExercise.SHARDED_STEP: ("params", "momentum_shards", "lr", "beta"),
                 ZeroExercise.FSDP_FORWARD: ("shard", "in_features", "out_features", "x"),
-                ZeroExercise.REDUCE_SCATTER_GRAD: ("grad",)}[self]
+                ZeroExercise.REDUCE_SCATTER_GRAD: ("grad",),
+                ZeroExercise.GRAD_HOOK: ("param", "grad_shards"),
+                ZeroExercise.FSDP_BACKWARD: ("shard", "in_features", "out_features", "x",
+                                             "grad_out")}[self]
 
     @property
     def title(self) -> str:
@@ -61,8 +72,11 @@ class ZeroExercise(enum.Enum):
 
     @property
     def collective(self) -> str:
-        """The one collective the exercise makes."""
-        return "a reduce-scatter" if self is ZeroExercise.REDUCE_SCATTER_GRAD else "an all-gather"
+        """The collective(s) the exercise makes, per tensor."""
+        return {ZeroExercise.REDUCE_SCATTER_GRAD: "a reduce-scatter",
+                ZeroExercise.GRAD_HOOK: "a reduce-scatter",
+                ZeroExercise.FSDP_BACKWARD: "an all-gather and a reduce-scatter"}.get(
+                    self, "an all-gather")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -5,9 +5,11 @@ Every function named ``*_worker`` runs inside a rank (``launch(worker, N, args=(
 others run in the notebook and launch them. Ranks import this module to find the workers, so
 it imports nothing heavy (plots live in :mod:`labs.viz.ddp`).
 
-The step-time experiments time the same model and batch under four implementations, in one
-launch, alternating their order every iteration so that a slow moment of the machine does not
-land on one of them only.
+The step-time experiments time the same model and batch under several implementations, in
+one launch, alternating their order every iteration so that a slow moment of the machine does
+not land on one of them only. Given ``link=`` (a :class:`labs.Link`), they run on that emulated
+network, where labs' wrappers all-reduce with labs' ring (:mod:`labs.ddp`) and torch's DDP,
+whose collectives the link does not carry, is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import contextlib
 import enum
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, assign_buckets, trainable_parameters
+from labs.ddp import (
+    DDP,
+    DEFAULT_BUCKET_CAP_MB,
+    NaiveDDP,
+    StepTimeline,
+    assign_buckets,
+    trainable_parameters,
+)
 from labs.launcher import launch, rank_device
+from labs.link import Link
 from labs.wrappers import Wrapper, wrap
 
 
@@ -107,16 +116,19 @@ def _sync_device() -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One timed configuration: an implementation at a bucket cap."""
+    """One timed configuration: an implementation at a bucket cap, and whether the
+    micro-batches before the last of an optimizer step run inside ``no_sync()``."""
 
     wrapper: Wrapper
     bucket_cap_mb: float
+    no_sync: bool = True
 
     @property
     def label(self) -> str:
+        label = self.wrapper.value
         if self.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP):
-            return f"{self.wrapper.value} ({cap_text(self.bucket_cap_mb)})"
-        return self.wrapper.value
+            label += f" ({cap_text(self.bucket_cap_mb)})"
+        return label if self.no_sync else f"{label} without no_sync()"
 
 
 def cap_text(cap_mb: float) -> str:
@@ -124,17 +136,26 @@ def cap_text(cap_mb: float) -> str:
     return f"{cap_mb:g} MiB" if cap_mb >= 1 else f"{cap_mb * 1024:g} KiB"
 
 
+class Measure(enum.Enum):
+    """Which part of an optimizer step a timing covers."""
+
+    STEP = "milliseconds per step"
+    """The whole optimizer step: zero_grad, forward, backward, synchronisation, the update."""
+    BACKWARD = "milliseconds from backward() to averaged gradients"
+    """From ``loss.backward()`` until every gradient holds its average (summed over the
+    micro-batches): the part a bucket cap changes. Forward cannot overlap with the
+    gradients' communication: they do not exist yet."""
+
+
 @dataclass(frozen=True)
 class CaseTiming:
-    """Seconds per optimizer step of one case on one rank, and its bucket count."""
+    """Seconds per optimizer step of one case on one rank (whole, and backward through
+    synchronisation), and its bucket count."""
 
     case: Case
     seconds: tuple[float, ...]
     buckets: int
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
+    backward: tuple[float, ...] = ()
 
 
 def step_times_worker(rank: int, world_size: int, settings: StepSettings,
@@ -147,6 +168,7 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
     seconds: list[list[float]] = [[] for _ in cases]
+    backward: list[list[float]] = [[] for _ in cases]
     order = list(range(len(cases)))
     for iteration in range(settings.warmup + settings.steps):
         for i in order if iteration % 2 == 0 else reversed(order):
@@ -154,26 +176,35 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
             _sync_device()
             start = time.perf_counter()
             optimizers[i].zero_grad()
-            _accumulate(models[i], x, settings.accumulation, use_no_sync=True)
+            in_backward = _accumulate(models[i], x, settings.accumulation,
+                                      use_no_sync=cases[i].no_sync)
             optimizers[i].step()
             _sync_device()
             if iteration >= settings.warmup:
                 seconds[i].append(time.perf_counter() - start)
-    return [CaseTiming(c, tuple(s), _bucket_count(c, settings))
-            for c, s in zip(cases, seconds, strict=True)]
+                backward[i].append(in_backward)
+    return [CaseTiming(c, tuple(s), _bucket_count(c, settings), tuple(b))
+            for c, s, b in zip(cases, seconds, backward, strict=True)]
 
 
 def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sync: bool
-                ) -> None:
+                ) -> float:
     """Forward and backward ``micro_batches`` times, each loss divided by their number, then
     synchronise. With ``use_no_sync`` every micro-batch but the last runs inside
-    ``model.no_sync()`` (forward and backward), so only the last one communicates."""
+    ``model.no_sync()`` (forward and backward), so only the last one communicates. Returns
+    the seconds spent from each ``backward()`` to the end of its synchronisation, summed."""
+    spent = 0.0
     for micro in range(micro_batches):
         last = micro == micro_batches - 1
         quiet = use_no_sync and not last and hasattr(model, "no_sync")
         with model.no_sync() if quiet else contextlib.nullcontext():
-            (model(x).square().mean() / micro_batches).backward()
+            loss = model(x).square().mean() / micro_batches
+            start = time.perf_counter()
+            loss.backward()
             synchronise(model)
+            _sync_device()
+            spent += time.perf_counter() - start
+    return spent
 
 
 def torch_bucket_counts(settings: StepSettings, bucket_cap_mb: float,
@@ -201,47 +232,92 @@ def torch_bucket_counts(settings: StepSettings, bucket_cap_mb: float,
 
 
 def _bucket_count(case: Case, settings: StepSettings) -> int:
-    """All-reduces per iteration of ``case`` once its buckets are settled."""
+    """All-reduces per optimizer step of ``case`` once its buckets are settled: one round per
+    backward, or one per optimizer step with ``no_sync()`` around the other micro-batches."""
+    rounds = 1 if case.no_sync else settings.accumulation
     if case.wrapper is Wrapper.TORCH_DDP:
-        return torch_bucket_counts(settings, case.bucket_cap_mb)[-1]
-    if case.wrapper is Wrapper.FSDP:
-        return 0  # all-gathers and reduce-scatters, no all-reduce
+        return rounds * torch_bucket_counts(settings, case.bucket_cap_mb)[-1]
+    if case.wrapper in (Wrapper.FSDP, Wrapper.LOCAL):
+        return 0  # FSDP: all-gathers and reduce-scatters, no all-reduce
     if case.wrapper is Wrapper.NAIVE:
-        return 2 * settings.layers  # one all-reduce per parameter
-    if case.wrapper is Wrapper.LOCAL:
-        return 0
-    return len(assign_buckets(trainable_parameters(mlp(settings)), case.bucket_cap_mb))
+        return rounds * 2 * settings.layers  # one all-reduce per parameter
+    return rounds * len(assign_buckets(trainable_parameters(mlp(settings)), case.bucket_cap_mb))
 
 
 @dataclass(frozen=True)
 class StepTimeRow:
-    """A case's step time: the median over steps of the slowest rank."""
+    """A case's step time: the median over steps of the slowest rank, and every sample."""
 
     case: Case
     seconds: float
+    """The median of ``samples``."""
     buckets: int
+    samples: tuple[float, ...] = ()
+    """Seconds per step, the slowest rank's, every timed step of every launch."""
+    backward: tuple[float, ...] = ()
+    """The same steps' seconds from backward() to averaged gradients (:attr:`Measure.BACKWARD`),
+    the slowest rank's."""
+
+    def of(self, measure: Measure = Measure.STEP) -> tuple[float, ...]:
+        """The samples of ``measure`` (the median alone if none were kept)."""
+        kept = self.samples if measure is Measure.STEP else self.backward
+        return kept or (self.seconds,)
+
+    def median(self, measure: Measure = Measure.STEP) -> float:
+        return statistics.median(self.of(measure))
+
+    def quartiles(self, measure: Measure = Measure.STEP) -> tuple[float, float]:
+        """The first and third quartiles of ``measure`` (the median twice if one sample)."""
+        samples = self.of(measure)
+        if len(samples) < 2:
+            return samples[0], samples[0]
+        first, _, third = statistics.quantiles(samples, n=4, method="inclusive")
+        return first, third
+
+    @property
+    def low(self) -> float:
+        return min(self.of())
+
+    @property
+    def high(self) -> float:
+        return max(self.of())
 
 
 def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[Case],
-                       launches: int = 1, timeout: float = 300.0) -> list[StepTimeRow]:
-    """Launch :func:`step_times_worker` ``launches`` times and reduce it to one row per case:
-    per step, the slowest rank's time (a step ends when the last rank ends it), then the
-    median over every step of every launch."""
+                       launches: int = 1, timeout: float = 300.0, link: Link | None = None
+                       ) -> list[StepTimeRow]:
+    """Launch :func:`step_times_worker` ``launches`` times (on ``link``, if given) and reduce
+    it to one row per case: per step, the slowest rank's time (a step ends when the last rank
+    ends it), then the median over every step of every launch."""
+    _refuse_torch_on_link(cases, link)
     slowest: list[list[float]] = [[] for _ in cases]
+    backward: list[list[float]] = [[] for _ in cases]
     buckets = [0] * len(cases)
     for _ in range(launches):
         per_rank = launch(step_times_worker, world_size, args=(settings, list(cases)),
-                          timeout=timeout, echo=False)
+                          timeout=timeout, echo=False, link=link, backend=_backend(link))
         for i in range(len(cases)):
             slowest[i] += [max(r[i].seconds[k] for r in per_rank) for k in range(settings.steps)]
+            backward[i] += [max(r[i].backward[k] for r in per_rank)
+                            for k in range(settings.steps)]
             buckets[i] = per_rank[0][i].buckets
-    return [StepTimeRow(case, statistics.median(s), b)
-            for case, s, b in zip(cases, slowest, buckets, strict=True)]
+    return [StepTimeRow(case, statistics.median(s), b, tuple(s), tuple(w))
+            for case, s, b, w in zip(cases, slowest, buckets, backward, strict=True)]
+
+
+def _refuse_torch_on_link(cases: Sequence[Case], link: Link | None) -> None:
+    if link is not None and any(c.wrapper is Wrapper.TORCH_DDP for c in cases):
+        raise ValueError("torch's DDP all-reduces with gloo's own collective, which the "
+                         "emulated link does not carry: time it without link=.")
+
+
+def _backend(link: Link | None) -> str:
+    """The emulated link runs on gloo; without one, the launcher picks."""
+    return "gloo" if link is not None else "auto"
 
 
 #: Chapter 5's four ways to synchronise gradients (FSDP is chapter 6's).
-TIMED_WRAPPERS = (Wrapper.LOCAL, Wrapper.NAIVE, Wrapper.DDP,
-                       Wrapper.TORCH_DDP)
+TIMED_WRAPPERS = (Wrapper.LOCAL, Wrapper.NAIVE, Wrapper.DDP, Wrapper.TORCH_DDP)
 
 
 def default_cases(bucket_cap_mb: float) -> list[Case]:
@@ -249,12 +325,15 @@ def default_cases(bucket_cap_mb: float) -> list[Case]:
     return [Case(i, bucket_cap_mb) for i in TIMED_WRAPPERS]
 
 
-def bucket_sweep_cases(caps_mb: Sequence[float]) -> list[Case]:
-    """labs' DDP and torch's at every cap, plus NaiveDDP and the no-sync floor once."""
+def bucket_sweep_cases(caps_mb: Sequence[float],
+                       bucketed: Sequence[Wrapper] = (Wrapper.DDP, Wrapper.TORCH_DDP)
+                       ) -> list[Case]:
+    """The ``bucketed`` wrappers (labs' DDP and torch's) at every cap, plus NaiveDDP and the
+    no-sync floor once."""
     cases = [Case(Wrapper.LOCAL, DEFAULT_BUCKET_CAP_MB),
              Case(Wrapper.NAIVE, DEFAULT_BUCKET_CAP_MB)]
     for cap in caps_mb:
-        cases += [Case(Wrapper.DDP, cap), Case(Wrapper.TORCH_DDP, cap)]
+        cases += [Case(wrapper, cap) for wrapper in bucketed]
     return cases
 
 
@@ -279,69 +358,52 @@ class BackwardTimeline:
     grad_ready: dict[str, float]
     """Parameter name -> when its gradient was ready."""
     allreduces: tuple[Span, ...]
-    """Each all-reduce (a bucket, or one parameter for NaiveDDP): launch to completion."""
+    """Each all-reduce (a bucket, or one parameter for NaiveDDP): from its launch (on an
+    emulated link, from when the communication thread began sending it) to completion."""
     synchronised: float
     """When every gradient held its average (finish_gradient_synchronization returned)."""
-
-
-@contextmanager
-def _timed_all_reduces(spans: list[tuple[str, float, float]], names: dict[int, str]
-                       ) -> Iterator[None]:
-    """Record start and end of every blocking ``dist.all_reduce`` inside the block."""
-    real = dist.all_reduce
-
-    def timed(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        work = real(tensor, *args, **kwargs)
-        _sync_device()
-        spans.append((names.get(id(tensor), f"{tensor.numel()} elements"), start,
-                      time.perf_counter()))
-        return work
-
-    dist.all_reduce = timed
-    try:
-        yield
-    finally:
-        dist.all_reduce = real
 
 
 def timeline_worker(rank: int, world_size: int, settings: StepSettings,
                     wrapper: Wrapper) -> BackwardTimeline:
     """One measured step of NaiveDDP or DDP, after ``max(1, settings.warmup)`` untimed ones
-    (the first step allocates the gradients)."""
+    (the first step allocates the gradients). Both wrappers keep a
+    :class:`labs.ddp.StepTimeline`; the times here count from the start of backward."""
     device = rank_device()
     model = wrap(wrapper, mlp(settings), settings.bucket_cap_mb)
+    if not isinstance(model, (NaiveDDP, DDP)):
+        raise ValueError(f"the timeline is NaiveDDP's or DDP's, not {wrapper.value}'s.")
     net = model.module
     x = torch.randn(settings.batch, settings.width,
                     generator=torch.Generator().manual_seed(rank)).to(device)
-    names = {id(p): n for n, p in net.named_parameters()}
+    names = [n for n, _ in trainable_parameters(net)]
     ready: dict[str, float] = {}
-    if wrapper is Wrapper.NAIVE:  # DDP records its own; NaiveDDP has no hooks
+    if isinstance(model, NaiveDDP):  # DDP records its own; NaiveDDP has no hooks
+        index = {id(p): n for n, p in trainable_parameters(net)}
         for p in net.parameters():
             p.register_post_accumulate_grad_hook(
-                lambda q: ready.__setitem__(names[id(q)], time.perf_counter()))
-    spans: list[tuple[str, float, float]] = []
+                lambda q: ready.__setitem__(index[id(q)], time.perf_counter()))
     for _ in range(max(1, settings.warmup) + 1):
-        model.zero_grad(set_to_none=False)  # keep the gradient tensors: spans are named by them
-        if isinstance(model, DDP):
-            model.new_timeline()
+        model.zero_grad()
+        model.timeline = t = StepTimeline()
         loss = model(x).square().mean()
-        grad_names = {id(p.grad): n for n, p in net.named_parameters() if p.grad is not None}
         dist.barrier()
-        spans.clear()
         ready.clear()
         start = time.perf_counter()
-        with _timed_all_reduces(spans, grad_names):
-            loss.backward()
-            backward_end = time.perf_counter()
-            synchronise(model)
+        loss.backward()
+        _sync_device()
+        backward_end = time.perf_counter()
+        synchronise(model)
+        _sync_device()
         synchronised = time.perf_counter()
     if isinstance(model, DDP):
-        t = model.timeline
         ready = dict(t.grad_ready)
-        allreduces = [Span(f"bucket {i}", t.launched[i], t.done[i]) for i in sorted(t.launched)]
+        labels = {i: f"bucket {i}" for i in t.launched}
     else:
-        allreduces = [Span(label, s, e) for label, s, e in spans]
+        labels = {i: names[i] for i in t.launched}
+    # a bucket on the link may wait behind earlier ones: its bar starts when it starts sending
+    allreduces = [Span(labels[i], t.started.get(i, t.launched[i]), t.done[i])
+                  for i in sorted(t.launched)]
     return BackwardTimeline(
         wrapper, backward_end - start,
         {n: v - start for n, v in ready.items()},
@@ -349,11 +411,12 @@ def timeline_worker(rank: int, world_size: int, settings: StepSettings,
         synchronised - start)
 
 
-def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 120.0
-                      ) -> dict[Wrapper, list[BackwardTimeline]]:
-    """The timeline of one step under NaiveDDP and under DDP, every rank's."""
+def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 120.0,
+                      link: Link | None = None) -> dict[Wrapper, list[BackwardTimeline]]:
+    """The timeline of one step under NaiveDDP and under DDP, every rank's (on ``link``, if
+    given)."""
     return {impl: list(launch(timeline_worker, world_size, args=(settings, impl),
-                              timeout=timeout, echo=False))
+                              timeout=timeout, echo=False, link=link, backend=_backend(link)))
             for impl in (Wrapper.NAIVE, Wrapper.DDP)}
 
 
@@ -362,15 +425,13 @@ def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 
 
 @dataclass(frozen=True)
 class AccumulationRow:
-    """All-reduce calls and seconds per optimizer step with ``accumulation`` micro-batches."""
+    """All-reduce calls per optimizer step with ``accumulation`` micro-batches."""
 
     wrapper: Wrapper
     no_sync: bool
     accumulation: int
     allreduces: float
     """All-reduce calls per optimizer step (rank 0)."""
-    seconds: float
-    """Median seconds per optimizer step (slowest rank)."""
 
 
 @dataclass
@@ -389,64 +450,54 @@ def _counting_hook(state, bucket):  # noqa: ANN001, ANN201
 
 
 def accumulation_worker(rank: int, world_size: int, settings: StepSettings,
-                        wrapper: Wrapper, use_no_sync: bool
-                        ) -> tuple[float, list[float]]:
-    """Time ``settings.steps`` optimizer steps of ``settings.accumulation`` micro-batches
-    each; count the all-reduces. Returns (all-reduces per step, seconds per step)."""
-    device = rank_device()
-    model = wrap(wrapper, mlp(settings), settings.bucket_cap_mb)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    calls = [0]
-    hook = None
-    if wrapper is Wrapper.TORCH_DDP:  # its all-reduces are made in C++: count here
-        hook = _HookCalls()
-        model.register_comm_hook(hook, _counting_hook)
+                        cases: Sequence[tuple[Wrapper, bool]]) -> list[float]:
+    """For each (wrapper, use ``no_sync()``): run ``settings.steps`` optimizer steps of
+    ``settings.accumulation`` micro-batches each, after ``settings.warmup`` untimed ones,
+    and count the all-reduces. Returns all-reduces per optimizer step, per case."""
     x = torch.randn(settings.batch, settings.width,
-                    generator=torch.Generator().manual_seed(rank)).to(device)
+                    generator=torch.Generator().manual_seed(rank)).to(rank_device())
+    calls = [0]
     real = dist.all_reduce
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return real(*args, **kwargs)
 
-    seconds = []
-    dist.all_reduce = counting
-    try:
-        for step in range(settings.warmup + settings.steps):
-            if step == settings.warmup:
-                calls[0] = 0
-                if hook:
-                    hook.calls = 0
-            dist.barrier()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            _accumulate(model, x, settings.accumulation, use_no_sync)
-            optimizer.step()
-            _sync_device()
-            if step >= settings.warmup:
-                seconds.append(time.perf_counter() - start)
-    finally:
-        dist.all_reduce = real
-    counted = hook.calls if hook else calls[0]
-    return counted / settings.steps, seconds
+    counted = []
+    for wrapper, use_no_sync in cases:
+        model = wrap(wrapper, mlp(settings), settings.bucket_cap_mb)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        hook = None
+        if wrapper is Wrapper.TORCH_DDP:  # its all-reduces are made in C++: count here
+            hook = _HookCalls()
+            model.register_comm_hook(hook, _counting_hook)
+        dist.all_reduce = counting
+        try:
+            for step in range(settings.warmup + settings.steps):
+                if step == settings.warmup:
+                    calls[0] = 0
+                    if hook:
+                        hook.calls = 0
+                optimizer.zero_grad()
+                _accumulate(model, x, settings.accumulation, use_no_sync)
+                optimizer.step()
+        finally:
+            dist.all_reduce = real
+        counted.append((hook.calls if hook else calls[0]) / settings.steps)
+    return counted
 
 
 def measure_accumulation(world_size: int, settings: StepSettings,
-                         wrappers: Sequence[Wrapper] = (Wrapper.DDP,
-                                                                      Wrapper.TORCH_DDP),
+                         wrappers: Sequence[Wrapper] = (Wrapper.DDP, Wrapper.TORCH_DDP),
                          timeout: float = 300.0) -> list[AccumulationRow]:
-    """Per implementation: with and without ``no_sync()`` around all but the last
-    micro-batch, all-reduces and seconds per optimizer step."""
-    rows = []
-    for wrapper in wrappers:
-        for use_no_sync in (False, True):
-            per_rank = launch(accumulation_worker, world_size,
-                              args=(settings, wrapper, use_no_sync), timeout=timeout,
-                              echo=False)
-            slowest = [max(r[1][k] for r in per_rank) for k in range(settings.steps)]
-            rows.append(AccumulationRow(wrapper, use_no_sync, settings.accumulation,
-                                        per_rank[0][0], statistics.median(slowest)))
-    return rows
+    """Per implementation, with and without ``no_sync()`` around all but the last
+    micro-batch: all-reduce calls per optimizer step (one launch; the time it takes is
+    measured on an emulated link with :func:`measure_step_times`)."""
+    cases = [(wrapper, use_no_sync) for wrapper in wrappers for use_no_sync in (False, True)]
+    counts = launch(accumulation_worker, world_size, args=(settings, cases), timeout=timeout,
+                    echo=False)[0]
+    return [AccumulationRow(wrapper, use_no_sync, settings.accumulation, count)
+            for (wrapper, use_no_sync), count in zip(cases, counts, strict=True)]
 
 
 # --- DistributedSampler -----------------------------------------------------------------------

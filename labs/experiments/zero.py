@@ -19,7 +19,7 @@ from torch import nn
 from labs.collectives import Algorithm, Recorder, ring_all_reduce
 from labs.ddp import DDP
 from labs.experiments.ddp import StepSettings, mlp
-from labs.fsdp import FSDP
+from labs.fsdp import FSDP, Event, default_units
 from labs.launcher import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
 from labs.wrappers import ZERO_STAGES, Wrapper, build
@@ -164,6 +164,98 @@ def measure_memory(world_sizes: Sequence[int], settings: StepSettings,
             for n in world_sizes for s in strategies}
 
 
+# --- FSDP's peak, term by term ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeakTerm:
+    """One kind of tensor FSDP holds at a moment of backward, and its bytes in all."""
+
+    what: str
+    group: Group
+    nbytes: int
+
+
+def fsdp_units(settings: StepSettings, world_size: int) -> list[tuple[str, int]]:
+    """(name, padded numel) of every unit :class:`~labs.fsdp.FSDP` makes of the experiment's
+    MLP, in forward order: one per Linear layer, ``N * ceil(numel / N)`` elements each."""
+    model = mlp(settings)
+    units = default_units(model)
+    return [(name, world_size * shard_numel(sum(p.numel() for p in child.parameters()),
+                                            world_size))
+            for name, child in model.named_children() if any(child is u for u in units)]
+
+
+def fsdp_reduce_scatter_terms(settings: StepSettings, world_size: int, unit: str
+                              ) -> tuple[PeakTerm, ...]:
+    """What rank 0 holds, by the schedule of :class:`~labs.fsdp.FSDP` (torch collectives,
+    a step after the first, so prefetching), the moment ``unit``'s full gradient is complete
+    and about to be reduce-scattered (``Event.REDUCE_SCATTER``), with Adam in fp32.
+
+    With the units in backward order u_0, u_1, ... and ``unit`` = u_j, each of N·k_u
+    elements: every unit's fp32 shard (4 k_u bytes), Adam's m and v of it (8 k_u) and its
+    4-byte step count; u_j's full parameters (4 N k), and u_{j+1}'s, whose all-gather was
+    prefetched when u_j's backward began; u_j's full gradient, and u_{j-1}'s, whose
+    reduce-scatter is in flight until this one starts; the gradient shards of u_0 ..
+    u_{j-2}, whose reduce-scatters have landed (4 k_u each). The receive buffer of the
+    in-flight reduce-scatter (gloo: an all-to-all) is a communication buffer, not counted."""
+    n = world_size
+    order = list(reversed(fsdp_units(settings, n)))  # backward order
+    names = [name for name, _ in order]
+    if unit not in names:
+        raise ValueError(f"no unit {unit!r}; the units are {', '.join(names)}")
+    j = names.index(unit)
+    full = dict(order)
+    shard_bytes = sum(4 * padded // n for _, padded in order)
+    terms = [
+        PeakTerm(f"fp32 shards of all {len(order)} units", Group.PARAMETERS, shard_bytes),
+        PeakTerm(f"full parameters of unit {unit}, computing its gradient", Group.PARAMETERS,
+                 4 * full[unit]),
+    ]
+    if j + 1 < len(order):
+        terms.append(PeakTerm(f"full parameters of unit {names[j + 1]}, prefetched",
+                              Group.PARAMETERS, 4 * full[names[j + 1]]))
+    terms.append(PeakTerm(f"full gradient of unit {unit}, about to be reduce-scattered",
+                          Group.GRADIENTS, 4 * full[unit]))
+    if j >= 1:
+        terms.append(PeakTerm(f"full gradient of unit {names[j - 1]}, reduce-scatter in flight",
+                              Group.GRADIENTS, 4 * full[names[j - 1]]))
+    if j >= 2:
+        landed = names[:j - 1]
+        terms.append(PeakTerm(f"gradient shards of the {len(landed)} units reduce-scattered "
+                              f"before ({', '.join(landed)})", Group.GRADIENTS,
+                              sum(4 * full[u] // n for u in landed)))
+    terms += [PeakTerm("Adam's m and v of the shards", Group.OPTIMIZER, 2 * shard_bytes),
+              PeakTerm(f"Adam's step counts (one 4-byte tensor per shard, {len(order)})",
+                       Group.OPTIMIZER, 4 * len(order))]
+    return tuple(terms)
+
+
+def reduce_scatter_unit(moment: str) -> str | None:
+    """The unit a snapshot label names when it is taken at ``Event.REDUCE_SCATTER``."""
+    prefix = f"{Event.REDUCE_SCATTER.value} "
+    return moment.removeprefix(prefix) if moment.startswith(prefix) else None
+
+
+def fsdp_term_mismatches(report: MemoryReport, settings: StepSettings) -> list[str]:
+    """Every reduce-scatter moment of an FSDP report at which the bytes of a kind
+    (parameters, gradients, optimizer state) differ from the sum of that kind's terms of
+    :func:`fsdp_reduce_scatter_terms`, in words; [] when every one adds up exactly."""
+    wrong = []
+    for snap in report.snapshots:
+        unit = reduce_scatter_unit(snap.moment)
+        if unit is None:
+            continue
+        terms = fsdp_reduce_scatter_terms(settings, report.world_size, unit)
+        measured = snap.bytes_by_group()
+        for group in (Group.PARAMETERS, Group.GRADIENTS, Group.OPTIMIZER):
+            want = sum(t.nbytes for t in terms if t.group is group)
+            if measured.get(group.value, 0) != want:
+                wrong.append(f"N = {report.world_size}, {snap.moment}: {group.value} "
+                             f"{measured.get(group.value, 0)} bytes measured, {want} by the terms")
+    return wrong
+
+
 # --- traffic -----------------------------------------------------------------------------------
 
 
@@ -249,9 +341,11 @@ class Recipe(enum.Enum):
 
     FP32 = "fp32"
     """fp32 parameters (4), gradients (4), Adam's m and v (4 + 4): 16."""
-    MIXED = "bf16 + fp32 master (ZeRO paper)"
-    """bf16/fp16 parameters (2) and gradients (2), fp32 master parameters (4), m and v (8): 16.
-    The ZeRO paper's count (arXiv 1910.02054, section 3.1: 2 + 2 + K with K = 12)."""
+    MIXED = "bf16 + fp32 master (ZeRO paper: fp16)"
+    """bf16 or fp16 parameters (2) and gradients (2), fp32 master parameters (4), m and v (8):
+    16. The ZeRO paper's count (arXiv 1910.02054, section 3.1: 2 + 2 + K with K = 12), made
+    for fp16 with loss scaling; bf16 keeps fp32's exponent range, needs no loss scaling, and
+    holds the same bytes."""
     MIXED_FP32_GRADS = "bf16 + fp32 master, fp32 gradients"
     """bf16 parameters (2), gradients accumulated in fp32 (4), master (4), m and v (8): 18."""
     MIXED_BOTH_GRADS = "bf16 + fp32 master, bf16 and fp32 gradients"

@@ -1,5 +1,6 @@
 """Figures for chapters 1-4 (matplotlib): the toy all-reduce, gradient parity, traffic, the
-ring frame by frame and its animation, collective timings. Their text tables are in
+ring frame by frame and its animation, collective timings, the cost model on the emulated
+link. Their text tables are in
 :mod:`labs.tables`."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 from IPython.display import HTML
 from matplotlib.animation import FuncAnimation
@@ -18,8 +20,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from labs.collectives import Phase, RingStep, shard_bounds
+from labs.collectives import Algorithm, Phase, RingStep, shard_bounds
+from labs.cost_model import crossover_on_link
 from labs.experiments.collectives import TrafficRow
+from labs.experiments.link_sweep import LinkSweepSettings, LinkTiming
 from labs.experiments.timing import CollectiveTiming, format_size
 from labs.tables import values_text
 from labs.toy_allreduce import ToyRankRecord
@@ -443,4 +447,69 @@ def plot_collective_bars(timings: Sequence[CollectiveTiming]) -> Figure:
     first = timings[0]
     fig.suptitle(f"{first.case.collective.value}, N = {first.world_size}, "
                  f"S = {format_size(first.case.size_bytes)} ({first.backend})", fontsize=10)
+    return fig
+
+
+# --- chapter 2: the cost model on the emulated link --------------------------------------------
+
+
+def plot_link_sweep(timings: Sequence[LinkTiming], settings: LinkSweepSettings,
+                    tolerance: float = 0.15) -> Figure:
+    """One column per world size. Top: seconds per call against S (log-log), the model as
+    lines (:func:`labs.cost_model.predict_on_link`), the measurements as markers at the
+    fastest call with a bar up to the slowest (:class:`LinkTiming` says why the fastest), and
+    the model's ring / recursive doubling crossover as a dashed line. Bottom: measured /
+    predicted, the same markers and bars, with the band of +-``tolerance`` shaded."""
+    world_sizes = sorted({t.world_size for t in timings})
+    algorithms = list(dict.fromkeys(t.algorithm for t in timings))
+    sizes = sorted({t.size_bytes for t in timings})
+    grid = np.geomspace(sizes[0] / 2, sizes[-1] * 2, 200)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "osD^v"
+    fig, axes = plt.subplots(2, len(world_sizes), squeeze=False, sharex=True,
+                             figsize=(4.1 * len(world_sizes), 6.2), layout="constrained",
+                             height_ratios=(2.2, 1))
+    for col, n in enumerate(world_sizes):
+        top, bottom = axes[0][col], axes[1][col]
+        for i, algorithm in enumerate(algorithms):
+            colour, marker = palette[i % len(palette)], markers[i % len(markers)]
+            top.plot(grid, [settings.predict(algorithm, float(s), n) for s in grid], "-",
+                     color=colour, alpha=0.6, label=f"{algorithm.value} (model)")
+            mine = sorted((t for t in timings if t.world_size == n and t.algorithm is algorithm),
+                          key=lambda t: t.size_bytes)
+            # Side by side in the ratio panel, where the algorithms' markers would overlap.
+            shift = 2 ** (0.18 * (i - (len(algorithms) - 1) / 2))
+            for ax, scale, dx in ((top, [1.0] * len(mine), 1.0),
+                                  (bottom, [t.predicted for t in mine], shift)):
+                x = [t.size_bytes * dx for t in mine]
+                y = [t.fastest / k for t, k in zip(mine, scale, strict=True)]
+                above = [(max(t.seconds) - t.fastest) / k for t, k in zip(mine, scale, strict=True)]
+                ax.errorbar(x, y, yerr=[[0.0] * len(y), above], fmt=marker, color=colour, ms=5,
+                            capsize=3, label=f"{algorithm.value} (measured)")
+        cross = crossover_on_link(Algorithm.RING, Algorithm.RECURSIVE_DOUBLING, n,
+                                  settings.link, segment_bytes=settings.segment_bytes)
+        if cross is not None:
+            top.axvline(cross, color="gray", ls="--", lw=1)
+            top.text(cross, 0.02, f" model: ring = rec. doubling\n at {cross / 1e6:.1f} MB",
+                     transform=top.get_xaxis_transform(), fontsize="x-small", color="gray")
+        top.set_xscale("log", base=2)
+        top.set_yscale("log")
+        top.set(title=f"N = {n}", ylabel="seconds per call" if col == 0 else None)
+        top.grid(True, which="major", alpha=0.3)
+        bottom.axhspan(1 - tolerance, 1 + tolerance, color="tab:green", alpha=0.12,
+                       label=f"within {tolerance:.0%}")
+        bottom.axhline(1.0, color="black", lw=0.8)
+        bottom.set_ylim(1 - 2 * tolerance, 1 + 2 * tolerance)
+        bottom.set(xlabel="size S", ylabel="measured / model" if col == 0 else None)
+        bottom.set_xticks(sizes, [format_size(s) for s in sizes])
+        bottom.grid(True, alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for handle, label in zip(*axes[1][0].get_legend_handles_labels(), strict=True):
+        if label.startswith("within"):
+            handles, labels = [*handles, handle], [*labels, label]
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize="x-small")
+    link = settings.link
+    fig.suptitle(f"All-reduce on the emulated link (alpha = {link.alpha * 1e3:g} ms, "
+                 f"{link.bandwidth / 1e6:g} MB/s): the fastest call of each case (marker), "
+                 "up to the slowest (bar)", fontsize=10)
     return fig

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from labs.experiments.ddp import (
     AccumulationRow,
     BackwardTimeline,
+    Measure,
     SamplerView,
     Span,
     StepTimeRow,
@@ -27,65 +28,105 @@ _COLOURS = {
 }
 
 
-def step_time_table(rows: Sequence[StepTimeRow]) -> str:
-    """Median step time per case, the all-reduces per step, and the ratio to torch DDP."""
-    torch_rows = {r.case.bucket_cap_mb: r.seconds for r in rows
+def step_time_table(rows: Sequence[StepTimeRow], measure: Measure = Measure.STEP) -> str:
+    """Median time per case (``measure``) with its range over the timed steps, the
+    all-reduces per step, and the ratio to torch DDP at the same cap (where it was timed)."""
+    torch_rows = {r.case.bucket_cap_mb: r.median(measure) for r in rows
                   if r.case.wrapper is Wrapper.TORCH_DDP}
     table = []
     for r in rows:
         reference = torch_rows.get(r.case.bucket_cap_mb)
         bucketed = r.case.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP)
-        ratio = f"{r.seconds / reference:.2f}x" if reference and bucketed else "-"
-        table.append([r.case.label, f"{r.seconds * 1e3:.1f}", r.buckets, ratio])
-    return format_table(["implementation", "ms per step", "all-reduces per step",
-                         "/ torch DDP at that cap"], table)
+        ratio = f"{r.median(measure) / reference:.2f}x" if reference and bucketed else "-"
+        samples = r.of(measure)
+        table.append([r.case.label, f"{r.median(measure) * 1e3:.1f}",
+                      f"{min(samples) * 1e3:.1f} - {max(samples) * 1e3:.1f}", len(samples),
+                      r.buckets, ratio])
+    headers = [f"implementation ({measure.value})", "median", "min - max", "steps timed",
+               "all-reduces per step"]
+    if not torch_rows:
+        return format_table(headers, [row[:-1] for row in table])
+    return format_table([*headers, "/ torch DDP at that cap"], table)
 
 
-def plot_step_times(rows: Sequence[StepTimeRow], title: str = "") -> Figure:
-    """One bar per case: milliseconds per training step (slowest rank, median)."""
+def _spread_ms(rows: Sequence[StepTimeRow], measure: Measure
+               ) -> tuple[list[float], list[list[float]]]:
+    """Medians in ms, and matplotlib's error extents (down, up) from each min to each max."""
+    medians = [r.median(measure) * 1e3 for r in rows]
+    down = [m - min(r.of(measure)) * 1e3 for m, r in zip(medians, rows, strict=True)]
+    up = [max(r.of(measure)) * 1e3 - m for m, r in zip(medians, rows, strict=True)]
+    return medians, [down, up]
+
+
+def plot_step_times(rows: Sequence[StepTimeRow], title: str = "",
+                    measure: Measure = Measure.STEP) -> Figure:
+    """One bar per case: the median time (slowest rank) of ``measure``, with a whisker from
+    the fastest to the slowest timed step."""
     fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)), layout="constrained")
-    labels = [r.case.label for r in rows]
-    values = [r.seconds * 1e3 for r in rows]
-    ax.barh(labels, values, color=[_COLOURS[r.case.wrapper] for r in rows])
-    for y, (value, row) in enumerate(zip(values, rows, strict=True)):
-        ax.text(value, y, f" {value:.1f} ms, {row.buckets} all-reduce(s)", va="center",
-                fontsize="small")
+    medians, spread = _spread_ms(rows, measure)
+    ax.barh([r.case.label for r in rows], medians, xerr=spread, capsize=3, ecolor="black",
+            color=[_COLOURS[r.case.wrapper] for r in rows])
+    top = [m + u for m, u in zip(medians, spread[1], strict=True)]
+    for y, (row, median, right) in enumerate(zip(rows, medians, top, strict=True)):
+        ax.text(right, y, f"  median {median:.1f} ms, {row.buckets} all-reduce(s)",
+                va="center", fontsize="small")
     ax.invert_yaxis()
-    ax.set(xlabel="milliseconds per step", title=title or "Step time")
-    ax.set_xlim(0, max(values) * 1.45)
+    ax.set(xlabel=f"{measure.value}: bar the median, whisker min to max",
+           title=title or "Step time")
+    ax.set_xlim(0, max(top) * 1.85)
     ax.grid(True, axis="x", alpha=0.3)
     return fig
 
 
-def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "") -> Figure:
-    """Step time against bucket cap for labs' DDP and torch's, with NaiveDDP and the
-    no-communication floor as horizontal lines."""
-    fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
+def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "",
+                      measure: Measure = Measure.STEP) -> Figure:
+    """Time (``measure``) against bucket cap for the bucketed wrappers timed (labs' DDP, and
+    torch's where present): the median, a thick bar over the quartiles and a thin whisker
+    from the fastest to the slowest step. NaiveDDP and the no-communication floor are
+    horizontal lines (medians) over a band from the first quartile to the third."""
+    fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
     for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
         mine = sorted((r for r in rows if r.case.wrapper is impl),
                       key=lambda r: r.case.bucket_cap_mb)
+        if not mine:
+            continue
         caps = [r.case.bucket_cap_mb for r in mine]
-        ax.plot(caps, [r.seconds * 1e3 for r in mine], "o-", color=_COLOURS[impl],
-                label=impl.value)
-        for r in mine:
-            ax.annotate(str(r.buckets), (r.case.bucket_cap_mb, r.seconds * 1e3),
-                        textcoords="offset points", xytext=(0, 6), ha="center",
+        medians, spread = _spread_ms(mine, measure)
+        ax.errorbar(caps, medians, yerr=spread, fmt="none", capsize=3, lw=0.8,
+                    color=_COLOURS[impl])
+        quartiles = [[m - r.quartiles(measure)[0] * 1e3 for m, r in zip(medians, mine,
+                                                                          strict=True)],
+                     [r.quartiles(measure)[1] * 1e3 - m for m, r in zip(medians, mine,
+                                                                          strict=True)]]
+        ax.errorbar(caps, medians, yerr=quartiles, fmt="o-", lw=1.5, elinewidth=5,
+                    color=_COLOURS[impl], label=f"{impl.value}: median, quartiles (thick), "
+                    "min to max (thin)")
+        for r, median, up in zip(mine, medians, spread[1], strict=True):
+            ax.annotate(str(r.buckets), (r.case.bucket_cap_mb, median + up),
+                        textcoords="offset points", xytext=(0, 4), ha="center",
                         fontsize="x-small", color=_COLOURS[impl])
     for impl, style in ((Wrapper.NAIVE, "--"), (Wrapper.LOCAL, ":")):
         for r in rows:
             if r.case.wrapper is impl:
-                ax.axhline(r.seconds * 1e3, ls=style, color=_COLOURS[impl],
-                           label=f"{impl.value} ({r.buckets} all-reduces)")
+                first, third = r.quartiles(measure)
+                ax.axhline(r.median(measure) * 1e3, ls=style, color=_COLOURS[impl],
+                           label=f"{impl.value} ({r.buckets} all-reduces): median, "
+                           "quartiles shaded")
+                ax.axhspan(first * 1e3, third * 1e3, color=_COLOURS[impl], alpha=0.15)
     ax.set_xscale("log", base=2)
     caps = sorted({r.case.bucket_cap_mb for r in rows
                    if r.case.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP)})
     ax.set_xticks(caps, [cap_text(c) for c in caps])
     ax.minorticks_off()
     ax.set(xlabel="bucket_cap_mb (log scale); numbers: buckets per step",
-           ylabel="milliseconds per step", title=title or "Bucket size sweep")
-    ax.set_ylim(bottom=0)
+           ylabel=measure.value.replace("milliseconds", "ms"),
+           title=title or "Bucket size sweep")
+    # the floor's slowest step may be an outlier far above the rest: scale to the others
+    top = max((max(r.of(measure)) for r in rows if r.case.wrapper is not Wrapper.LOCAL),
+              default=max(max(r.of(measure)) for r in rows))
+    ax.set_ylim(bottom=0, top=top * 1e3 * 1.15)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="lower left")
     return fig
 
 
@@ -106,7 +147,7 @@ def plot_timeline(timelines: dict[Wrapper, BackwardTimeline], title: str = "") -
             ax.barh(1 + (0.15 if i % 2 else -0.15), (span.end - span.start) * ms,
                     left=span.start * ms, height=0.3, color=_COLOURS[impl],
                     alpha=0.55 + 0.45 * (i % 2), edgecolor="white",
-                    label="all-reduce (launch to done)" if i == 0 else None)
+                    label="all-reduce in flight" if i == 0 else None)
         ax.axvline(t.synchronised * ms, color="black", ls="--", lw=1,
                    label=f"all gradients averaged: {t.synchronised * ms:.1f} ms")
         overlap = _covered(t.allreduces, t.backward_end)
@@ -135,9 +176,9 @@ def _covered(spans: Sequence[Span], until: float) -> float:
 
 def accumulation_table(rows: Sequence[AccumulationRow]) -> str:
     table = [[r.wrapper.value, "yes" if r.no_sync else "no", r.accumulation,
-              f"{r.allreduces:g}", f"{r.seconds * 1e3:.1f}"] for r in rows]
-    return format_table(["implementation", "no_sync()", "micro-batches", "all-reduces per step",
-                         "ms per optimizer step"], table)
+              f"{r.allreduces:g}"] for r in rows]
+    return format_table(["implementation", "no_sync()", "micro-batches",
+                         "all-reduces per step"], table)
 
 
 def sampler_table(views: Sequence[SamplerView]) -> str:

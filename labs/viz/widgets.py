@@ -27,6 +27,7 @@ from labs.experiments.zero import (
     measure_traffic,
 )
 from labs.launcher import launch
+from labs.link import Link
 from labs.tables import toy_table
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz.collectives import plot_collective_bars, plot_toy_allreduce
@@ -146,12 +147,19 @@ def show_collective_run(settings: SweepSettings) -> None:
 
 def collective_panel(
     collective: Collective, world_size: int = 4, size_bytes: int = 1 << 20,
-    algorithms: Sequence[Algorithm] | None = None, iters: int = 5,
+    algorithms: Sequence[Algorithm] | None = None, iters: int = 5, link: Link | None = None,
 ) -> None:
     """World size, message size and algorithms for ``collective``, and a run button that times
     them on real ranks (:func:`labs.bench.collectives.run_sweep`). The default run is shown at
     once, as ordinary output (so a rendered page shows it); each click shows its own run in
-    the panel. A collective needs two ranks, so the world size starts at 2."""
+    the panel. A collective needs two ranks, so the world size starts at 2.
+
+    With a ``link`` (all-reduce only), a checkbox runs labs' own algorithms on that emulated
+    network instead (:func:`labs.experiments.link_sweep.measure_on_link`) and prints each
+    one's time beside the model's (torch's built-in is left out: the link does not carry its
+    messages)."""
+    from labs.experiments import link_sweep
+
     default = panel_settings(collective, world_size, size_bytes, algorithms, iters)
     options = [(format_size(s), s) for s in sorted({*PANEL_SIZES, size_bytes})]
     size = w.IntSlider(value=world_size, min=2, max=8, description="world size")
@@ -160,11 +168,29 @@ def collective_panel(
     boxes = {a: w.Checkbox(value=a in default.algorithms_of(collective), description=a.value,
                            indent=False, layout=w.Layout(width="auto"))
              for a in collective.algorithms()}
+    on_link = w.Checkbox(value=False, indent=False, layout=w.Layout(width="auto"),
+                         description="" if link is None else
+                         f"on the emulated link ({link.alpha * 1e3:g} ms, "
+                         f"{link.bandwidth / 1e6:g} MB/s)")
     out = w.Output()
 
+    def run_on_link(chosen: list[Algorithm]) -> None:
+        assert link is not None
+        mine = tuple(a for a in chosen if a is not Algorithm.TORCH)
+        if not mine:
+            print("Cannot run: choose at least one of labs' own algorithms (the link does not "
+                  "carry torch's messages).")
+            return
+        settings = link_sweep.LinkSweepSettings(link=link, sizes=(message.value,),
+                                                world_sizes=(size.value,), algorithms=mine)
+        print(link_sweep.link_table(link_sweep.measure_on_link(settings)))
+
     def run() -> None:
+        chosen = [a for a, box in boxes.items() if box.value]
+        if on_link.value:
+            run_on_link(chosen)
+            return
         try:
-            chosen = [a for a, box in boxes.items() if box.value]
             settings = panel_settings(collective, size.value, message.value, chosen, iters)
         except ValueError as err:
             print(f"Cannot run: {err}")
@@ -172,8 +198,9 @@ def collective_panel(
         show_collective_run(settings)
 
     button = _run_button(out, run)
+    extra = [on_link] if link is not None and collective is Collective.ALL_REDUCE else []
     display(w.VBox([w.HBox([size, message, button]),
-                    w.HBox([w.Label("algorithms:"), *boxes.values()]), out]))
+                    w.HBox([w.Label("algorithms:"), *boxes.values(), *extra]), out]))
     show_collective_run(default)
 
 
@@ -183,16 +210,21 @@ def collective_panel(
 DDP_PANEL_CAPS: tuple[float, ...] = (1 / 64, 1 / 16, 1 / 4, 1.0, 4.0, 25.0)
 
 
-def show_ddp_run(world_size: int, settings: StepSettings) -> None:
+def show_ddp_run(world_size: int, settings: StepSettings, link: Link | None = None) -> None:
     """Time NaiveDDP, labs' DDP and torch DDP on real ranks at ``settings`` (the step-time
-    table and bars), then draw one measured backward pass of NaiveDDP and DDP (a Gantt
-    chart)."""
+    table and bars, median and range), then draw one measured backward pass of NaiveDDP and
+    DDP (a Gantt chart). On ``link`` torch's DDP is left out: the link does not carry its
+    collectives."""
     start = time.perf_counter()
-    rows = measure_step_times(world_size, settings, default_cases(settings.bucket_cap_mb))
-    timelines = measure_timelines(world_size, settings)
+    cases = [c for c in default_cases(settings.bucket_cap_mb)
+             if link is None or c.wrapper is not Wrapper.TORCH_DDP]
+    rows = measure_step_times(world_size, settings, cases, link=link)
+    timelines = measure_timelines(world_size, settings, link=link)
+    where = (f"on an emulated link (alpha {link.alpha * 1e3:g} ms, {link.bandwidth / 1e6:g} MB/s)"
+             if link else "on this machine's loopback")
     print(f"world size {world_size}, {settings.parameters:,} parameters, bucket cap "
           f"{cap_text(settings.bucket_cap_mb)}, {settings.accumulation} micro-batch(es) per "
-          f"optimizer step (no_sync() around all but the last): "
+          f"optimizer step (no_sync() around all but the last), {where}: "
           f"{time.perf_counter() - start:.1f} s on real ranks")
     print(step_time_table(rows))
     for fig in (plot_step_times(rows, title="Milliseconds per optimizer step"),
@@ -203,9 +235,10 @@ def show_ddp_run(world_size: int, settings: StepSettings) -> None:
 
 
 def ddp_panel(world_size: int = 2, bucket_cap_mb: float = 0.25, accumulation: int = 1,
-              settings: StepSettings | None = None) -> None:
-    """World size, bucket cap and micro-batches per optimizer step, and a run button
-    (:func:`show_ddp_run`). The default run is shown at once, as ordinary output."""
+              settings: StepSettings | None = None, link: Link | None = None) -> None:
+    """World size, bucket cap and micro-batches per optimizer step, with ``link`` a box that
+    puts the run on that emulated network, and a run button (:func:`show_ddp_run`). The
+    default run (on the loopback) is shown at once, as ordinary output."""
     base = settings or StepSettings()
     size = w.IntSlider(value=world_size, min=1, max=4, description="world size")
     cap = w.Dropdown(options=[(cap_text(c), c) for c in sorted({*DDP_PANEL_CAPS,
@@ -213,14 +246,17 @@ def ddp_panel(world_size: int = 2, bucket_cap_mb: float = 0.25, accumulation: in
                      value=bucket_cap_mb, description="bucket cap",
                      layout=w.Layout(width="200px"))
     micro = w.IntSlider(value=accumulation, min=1, max=8, description="micro-batches")
+    on_link = w.Checkbox(value=False, description="on the emulated link", indent=False,
+                         layout=w.Layout(display="flex" if link else "none"))
     out = w.Output()
 
     def run() -> None:
         show_ddp_run(size.value, dataclasses.replace(base, bucket_cap_mb=cap.value,
-                                                     accumulation=micro.value))
+                                                     accumulation=micro.value),
+                     link if on_link.value else None)
 
     button = _run_button(out, run)
-    display(w.VBox([w.HBox([size, cap, micro]), button, out]))
+    display(w.VBox([w.HBox([size, cap, micro]), w.HBox([on_link, button]), out]))
     show_ddp_run(world_size, dataclasses.replace(base, bucket_cap_mb=bucket_cap_mb,
                                                  accumulation=accumulation))
 

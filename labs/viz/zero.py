@@ -96,7 +96,8 @@ def plot_step_memory(report: MemoryReport, title: str = "") -> Figure:
     fig, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
     ax.stackplot(x, *layers, labels=[g.value for g in _GROUPS],
                  colors=[_COLOURS[g] for g in _GROUPS], step="mid", alpha=0.85)
-    ticks = [i for i, s in enumerate(snaps) if not s.moment.startswith(("free", "reduce"))]
+    ticks = [i for i, s in enumerate(snaps)
+             if not s.moment.startswith(("free", "reduce", "prefetch"))]
     ax.set_xticks(ticks, [snaps[i].moment.replace("all-gather for ", "gather: ")
                           for i in ticks], rotation=60, ha="right", fontsize="x-small")
     peak = report.peak
