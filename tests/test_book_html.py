@@ -45,11 +45,12 @@ VENDOR = ROOT / "book" / "static" / "vendor"  # see its README.md
 # The pages the browser opens; both must exist after `make book`.
 CHAPTER = "notebooks/01_toy_allreduce.html"
 INTRO = "book/intro.html"
-# Chapters 2-4 add matplotlib animations (JavaScript players) beside widgets and math.
-ANIMATED = [f"notebooks/{name}.html"
-            for name in ("02_allreduce_algorithms", "03_reduce_scatter", "04_all_gather")]
-# Chapters 5 and 6: widget panels, Gantt charts, memory plots and tables.
-WIDGET_PAGES = ["notebooks/05_ddp.html", "notebooks/06_zero_fsdp.html"]
+# Chapter 2 adds a matplotlib animation (a JavaScript player) beside widgets and math (chapters
+# 3 and 4 refer back to its ring trace instead of animating their own).
+ANIMATED = ["notebooks/02_allreduce_algorithms.html"]
+# Chapters 3-6: widget panels, Gantt charts, memory plots and tables.
+WIDGET_PAGES = [f"notebooks/{name}.html"
+                for name in ("03_reduce_scatter", "04_all_gather", "05_ddp", "06_zero_fsdp")]
 BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED, *WIDGET_PAGES]
 # matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
 ANIMATION_FRAME_ID = "_anim_img"
