@@ -15,6 +15,7 @@ from torch import nn
 
 import labs
 from labs import models
+from labs.ddp import DDP, NaiveDDP
 
 VOCAB, DIM, BATCH, STEPS = 11, 6, 8, 3
 
@@ -80,3 +81,38 @@ def assert_states_match(got: list[dict[str, torch.Tensor]],
         for name in w:
             torch.testing.assert_close(
                 g[name], w[name], msg=lambda m, s=step, n=name: f"{what} step {s} {n}: {m}")
+
+
+#: (wrapper, keyword arguments) of the DDP parity tests: tiny buckets (one parameter each), a
+#: middle size, one bucket.
+DDP_CASES = [
+    ("naive", {}),
+    ("ddp", {"bucket_cap_mb": 1e-9}),
+    ("ddp", {"bucket_cap_mb": 42 * 4 / 2**20}),  # hidden (42 elements), then embed
+    ("ddp", {"bucket_cap_mb": 25.0}),
+]
+
+
+def ddp_parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Every :data:`DDP_CASES` wrapper trained for :data:`STEPS` steps with every optimizer;
+    ``"{optimizer}-{wrapper}-{cap}[-{n}buckets]"`` -> the module's state after each step. On
+    the loopback or on an emulated link, whichever the launch gives."""
+    x, y = rank_batch(rank, world_size)
+    out = {}
+    for optimizer in OPTIMIZERS:
+        for wrapper, kwargs in DDP_CASES:
+            net = TiedNet(seed=rank)  # different on every rank until the broadcast
+            model = NaiveDDP(net) if wrapper == "naive" else DDP(net, **kwargs)
+            opt = make_optimizer(optimizer, model.parameters())
+            states = []
+            for _ in range(STEPS):
+                opt.zero_grad()
+                loss_of(model, x, y).backward()
+                model.finish_gradient_synchronization()
+                opt.step()
+                states.append({k: v.clone() for k, v in model.module.state_dict().items()})
+            key = f"{optimizer}-{wrapper}-{kwargs.get('bucket_cap_mb', '')}"
+            if wrapper == "ddp":
+                key += f"-{len(model.buckets)}buckets"
+            out[key] = states
+    return out

@@ -18,50 +18,17 @@ from labs.ddp import DDP, NaiveDDP, assign_buckets, params_in_graph, trainable_p
 
 from parity import (
     OPTIMIZERS,
-    STEPS,
     TiedNet,
     assert_states_match,
+    ddp_parity_worker,
     launch,
-    loss_of,
-    make_optimizer,
-    rank_batch,
     reference_run,
 )
-
-#: (wrapper, keyword arguments): tiny buckets (one parameter each), a middle size, one bucket.
-WRAPPERS = [
-    ("naive", {}),
-    ("ddp", {"bucket_cap_mb": 1e-9}),
-    ("ddp", {"bucket_cap_mb": 42 * 4 / 2**20}),  # hidden (42 elements), then embed
-    ("ddp", {"bucket_cap_mb": 25.0}),
-]
-
-
-def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
-    x, y = rank_batch(rank, world_size)
-    out = {}
-    for optimizer in OPTIMIZERS:
-        for wrapper, kwargs in WRAPPERS:
-            net = TiedNet(seed=rank)  # different on every rank until the broadcast
-            model = NaiveDDP(net) if wrapper == "naive" else DDP(net, **kwargs)
-            opt = make_optimizer(optimizer, model.parameters())
-            states = []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss_of(model, x, y).backward()
-                model.finish_gradient_synchronization()
-                opt.step()
-                states.append({k: v.clone() for k, v in model.module.state_dict().items()})
-            key = f"{optimizer}-{wrapper}-{kwargs.get('bucket_cap_mb', '')}"
-            if wrapper == "ddp":
-                key += f"-{len(model.buckets)}buckets"
-            out[key] = states
-    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_matches_one_process_on_the_full_batch(world_size):
-    results = launch(parity_worker, world_size, echo=False)
+    results = launch(ddp_parity_worker, world_size, echo=False)
     references = {name: reference_run(name) for name in OPTIMIZERS}
     keys = list(results[0])
     # tiny cap: one bucket per trainable parameter (embed/head tied, frozen excluded: 3);

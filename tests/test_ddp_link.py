@@ -35,14 +35,11 @@ from labs.viz.ddp import plot_bucket_sweep, plot_step_times, step_time_table
 from labs.wrappers import Wrapper
 
 from parity import (
+    DDP_CASES,
     OPTIMIZERS,
-    STEPS,
-    TiedNet,
     assert_states_match,
+    ddp_parity_worker,
     launch,
-    loss_of,
-    make_optimizer,
-    rank_batch,
     reference_run,
 )
 
@@ -50,40 +47,16 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 #: Fast enough for the parity tests, which are not timed.
 QUICK = Link(alpha=1e-3, bandwidth=1e9)
-#: (wrapper, keyword arguments): one parameter per bucket, two buckets, one bucket.
-WRAPPERS = [("naive", {}), ("ddp", {"bucket_cap_mb": 1e-9}),
-            ("ddp", {"bucket_cap_mb": 42 * 4 / 2**20}), ("ddp", {"bucket_cap_mb": 25.0})]
-
-
-def parity_worker(rank: int, world_size: int) -> dict[str, list[dict[str, torch.Tensor]]]:
-    x, y = rank_batch(rank, world_size)
-    out = {}
-    for optimizer in OPTIMIZERS:
-        for wrapper, kwargs in WRAPPERS:
-            net = TiedNet(seed=rank)  # different on every rank until the broadcast
-            model = NaiveDDP(net) if wrapper == "naive" else DDP(net, **kwargs)
-            opt = make_optimizer(optimizer, model.parameters())
-            states = []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss_of(model, x, y).backward()
-                model.finish_gradient_synchronization()
-                opt.step()
-                states.append({k: v.clone() for k, v in model.module.state_dict().items()})
-            out[f"{optimizer}-{wrapper}-{kwargs.get('bucket_cap_mb', '')}"] = states
-    return out
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_on_the_link_every_rank_matches_one_process_on_the_full_batch(world_size):
-    on_link = launch(parity_worker, world_size, echo=False, link=QUICK)
+    on_link = launch(ddp_parity_worker, world_size, echo=False, link=QUICK)
     references = {name: reference_run(name) for name in OPTIMIZERS}
     for rank, per_rank in enumerate(on_link):
-        assert len(per_rank) == len(OPTIMIZERS) * len(WRAPPERS)
+        assert len(per_rank) == len(OPTIMIZERS) * len(DDP_CASES)
         for key, states in per_rank.items():
             assert_states_match(states, references[key.split("-")[0]], f"{key} rank {rank}")
     if world_size == 2:  # a sum of two is one addition, whichever all-reduce makes it
-        loopback = launch(parity_worker, world_size, echo=False)
+        loopback = launch(ddp_parity_worker, world_size, echo=False)
         for key, states in on_link[0].items():
             for got, want in zip(states, loopback[0][key], strict=True):
                 assert all(torch.equal(got[n], want[n]) for n in want), key

@@ -464,26 +464,38 @@ def _judge_cost(exercise: ZeroExercise, n: int, case: Case,
 # --- judging failures ---------------------------------------------------------------------------
 
 
-_PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor zero-padded to "
+#: What a shard is, for messages about padding.
+PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor zero-padded to "
                  "N*k elements, rank r owning elements [r*k, (r+1)*k)")
+
+
+def shard_size_died(n: int, rank: int) -> str:
+    """Why a rank of a chapter 6 check died: gloo ends a process whose message does not fit
+    the receive buffer, which unequal shards cause."""
+    return (f"with {n} rank(s), rank {rank} died. gloo ends a process when a message does not "
+            "fit the buffer posted to receive it: every rank must pass shards of the same size "
+            f"to the collective ({PADDING_HINT}).")
+
+
+def all_reduce_refused(where: str, traceback: str, err: RankError) -> str:
+    """The verdict when a chapter 6 check refused the learner's all-reduce."""
+    called = re.search(r"Exercise [\d.]+: no all-reduce.*", traceback)
+    return f"{where}: {called.group(0) if called else str(err).splitlines()[0]}."
 
 
 def _explain_error(plan: Plan, n: int, err: RankError) -> str:
     named = failing_rank(err)
     if err.exc_type == "RankDied":
-        return (f"with {n} rank(s), rank {named.rank} died. gloo ends a process when a message "
-                "does not fit the buffer posted to receive it: every rank must pass shards of "
-                f"the same size to the collective ({_PADDING_HINT}).")
+        return shard_size_died(n, named.rank)
     case = failed_case(named.traceback, plan.cases)
     where = f"with {n} rank(s), {case.describe(plan.exercise)}" if case else f"with {n} rank(s)"
     if err.exc_type == CollectiveUsedError.__name__:
-        called = re.search(r"Exercise [\d.]+: no all-reduce.*", named.traceback)
-        return f"{where}: {called.group(0) if called else str(err).splitlines()[0]}."
+        return all_reduce_refused(where, named.traceback, err)
     hint = ""
     if case is not None and case.uneven(plan.exercise, n):
         numels = " and ".join(str(m) for m in case.numels(plan.exercise) if m % n)
         hint = (f" {n} does not divide numel {numels}: if it works when it does, check the "
-                f"padding ({_PADDING_HINT}).")
+                f"padding ({PADDING_HINT}).")
     return f"{where}: {raised(named, hint)}"
 
 
@@ -520,7 +532,7 @@ def _judge(plan: Plan, n: int, results: Sequence[list[list[_Call]]]) -> str:
     divides = [i for i, c in enumerate(plan.cases) if not c.uneven(plan.exercise, n)]
     if divides and not set(divides) & set(failed):
         message += (f" It is right where {n} divides every numel, wrong where it does not: "
-                    f"check the padding ({_PADDING_HINT}).")
+                    f"check the padding ({PADDING_HINT}).")
     return message
 
 

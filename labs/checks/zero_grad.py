@@ -33,7 +33,6 @@ and another model from ``random.Random(seed)``, and the verdict names them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
@@ -55,7 +54,14 @@ from labs.checks.core import (
     validate_check_call,
 )
 from labs.checks.watch import GROUP_METHODS, Kind, Traffic, counted_collectives
-from labs.checks.zero import RTOL, elements_text, settle
+from labs.checks.zero import (
+    PADDING_HINT,
+    RTOL,
+    all_reduce_refused,
+    elements_text,
+    settle,
+    shard_size_died,
+)
 from labs.checks.zero_cases import ZeroExercise, shard_of
 from labs.checks.zero_grad_cases import (
     GradCase,
@@ -446,10 +452,6 @@ def _judge_backward(n: int, index: int, case: GradCase, seed: int,
     return None
 
 
-_PADDING_HINT = ("k = ceil(numel / N) elements per shard, the flattened tensor zero-padded to "
-                 "N*k elements, rank r owning elements [r*k, (r+1)*k)")
-
-
 def _judge(plan: GradPlan, n: int, results: Sequence[list[Any]]) -> str:
     """What is wrong in the most telling failing case: one where N divides what failed, the
     largest, with a hint when only what N does not divide fails."""
@@ -464,7 +466,7 @@ def _judge(plan: GradPlan, n: int, results: Sequence[list[Any]]) -> str:
                f"{shown.message}")
     if not shown.even:
         message += (f" It is right where {n} divides the numel, wrong where it does not: "
-                    f"check the padding ({_PADDING_HINT}).")
+                    f"check the padding ({PADDING_HINT}).")
     return message
 
 
@@ -474,18 +476,15 @@ def _judge(plan: GradPlan, n: int, results: Sequence[list[Any]]) -> str:
 def _explain_error(plan: GradPlan, n: int, err: RankError) -> str:
     named = failing_rank(err)
     if err.exc_type == "RankDied":
-        return (f"with {n} rank(s), rank {named.rank} died. gloo ends a process when a message "
-                "does not fit the buffer posted to receive it: every rank must pass shards of "
-                f"the same size to the collective ({_PADDING_HINT}).")
+        return shard_size_died(n, named.rank)
     case = failed_case(named.traceback, plan.cases)
     where = f"with {n} rank(s), {case.describe(plan.exercise)}" if case else f"with {n} rank(s)"
     if err.exc_type == CollectiveUsedError.__name__:
-        called = re.search(r"Exercise [\d.]+: no all-reduce.*", named.traceback)
-        return f"{where}: {called.group(0) if called else str(err).splitlines()[0]}."
+        return all_reduce_refused(where, named.traceback, err)
     hint = ""
     if case is not None and any(numel % n for numel in case.numels):
         hint = (f" {n} does not divide every numel ({listed(case.numels)}): if it works when "
-                f"it does, check the padding ({_PADDING_HINT}).")
+                f"it does, check the padding ({PADDING_HINT}).")
     return f"{where}: {raised(named, hint)}"
 
 
