@@ -20,7 +20,8 @@ for every unit, every step:
 Traffic per rank and step, for S bytes of parameters: an all-gather in forward and one in
 backward, (N-1)/N * S each, and a reduce-scatter, (N-1)/N * S: 3(N-1)/N * S, 1.5 times DDP's
 all-reduce. Memory: 1/N of everything, plus the full parameters and gradient of the units
-in flight. Frozen parameters stay whole on every rank, outside the flat vectors; a parameter
+in flight. Frozen parameters stay whole on every rank, outside the flat vectors (in
+``compute_dtype`` when one is given: nothing steps them, so no fp32 copy is kept); a parameter
 shared by two units (tied weights) belongs to the root unit.
 
 By default the collectives are torch.distributed's, started asynchronously: the next unit's
@@ -34,7 +35,9 @@ a :class:`~labs.collectives.Recorder` counts every byte. Names follow PyTorch FS
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +46,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs.collectives import Algorithm, Recorder, ring_all_gather, ring_reduce_scatter
+from labs.activations import checkpoint_module
+from labs.collectives import (
+    Algorithm,
+    Recorder,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from labs.zero import shard_numel
 
 
@@ -71,6 +81,9 @@ class Event(enum.Enum):
     """The unit's forward is done and its gathered vector has been freed."""
     UNSHARD_BACKWARD = "all-gather for backward"
     """The unit's full vector has been gathered again for its backward."""
+    KEEP_GRADIENT = "keep unsharded gradient"
+    """Inside :meth:`FSDP.no_sync`: the unit's full gradient is complete and is kept whole
+    (added to what earlier micro-batches left), not reduce-scattered."""
     REDUCE_SCATTER = "reduce-scatter gradient"
     """The unit's full gradient is complete and its reduce-scatter is about to start."""
     RESHARD_BACKWARD = "free after backward"
@@ -145,6 +158,10 @@ class FlatUnit:
     """The in-flight reduce-scatter of the unit's gradient (torch collectives)."""
     placeholders: list[ShardedPlaceholder] = field(default_factory=list)
     """Per parameter, what its attributes hold while the unit is SHARDED."""
+    unsharded_grad: torch.Tensor | None = None
+    """Inside :meth:`FSDP.no_sync`: the sum of the micro-batches' full gradients so far
+    (1-D, padded numel, ``reduce_dtype`` or the compute dtype), reduce-scattered with the
+    first backward outside ``no_sync``."""
 
     @property
     def padded_numel(self) -> int:
@@ -328,6 +345,11 @@ class FSDP(nn.Module):
         units: the submodules to shard as units (each gathered and freed on its own); the
             default is :func:`default_units`. Units may nest: a parameter belongs to the
             innermost unit around it. Parameters outside them form the root unit.
+        activation_checkpointing: make the forward of every unit that holds no other unit
+            an activation checkpoint (:func:`labs.activations.checkpoint_module`,
+            non-reentrant ``torch.utils.checkpoint``): a unit keeps only its inputs for
+            backward, and its backward gathers the parameters, runs the forward again, then
+            computes the gradients. The root unit (the whole model) is not checkpointed.
         observer: called with an :class:`Event` and the unit's name at every gather, free
             and reduce-scatter (the memory timeline of chapter 6 snapshots there).
         collectives: ``Algorithm.TORCH`` (default): torch.distributed's all-gather and
@@ -343,6 +365,7 @@ class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  reduce_dtype: torch.dtype | None = None,
                  units: Sequence[nn.Module] | None = None,
+                 activation_checkpointing: bool = False,
                  collectives: Algorithm = Algorithm.TORCH,
                  process_group: dist.ProcessGroup | None = None,
                  observer: Callable[[Event, str], None] | None = None,
@@ -376,6 +399,19 @@ class FSDP(nn.Module):
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=root, group=process_group)
         self.units = self._build_units(module, chosen)
+        if compute_dtype is not None:
+            with torch.no_grad():  # no optimizer steps them: no fp32 master copy is needed
+                for p in module.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(compute_dtype)
+        #: False inside :meth:`no_sync`: backward keeps full gradients instead of
+        #: reduce-scattering them.
+        self.require_gradient_sync = True
+        self._undo_checkpointing = [
+            checkpoint_module(u.module) for u in self.units
+            if activation_checkpointing and u.module is not module
+            and not any(o.module is not u.module and o.module in set(u.module.modules())
+                        for o in self.units)]
         self.shards = nn.ParameterList([u.shard for u in self.units])
         #: The units in the order their forward and their backward ran in the last step:
         #: prefetching follows them.
@@ -509,7 +545,7 @@ class FSDP(nn.Module):
         del args
         self.unshard(unit)
         self._notify(Event.UNSHARD_FORWARD, unit)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and unit not in self._seen_forward:  # once per micro-batch run
             self._seen_forward.append(unit)
         self._prefetch_after(unit, self.forward_order)
 
@@ -525,9 +561,14 @@ class FSDP(nn.Module):
 
     def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> torch.Tensor:
         if unit.backward_pending and unit.state is not ShardedState.UNSHARDED:
-            self.unshard(unit)
+            # Views that require grad, although backward runs without grad mode: a
+            # checkpointed unit runs its forward again on them, and that forward must save
+            # what the first one saved (an op on parameters that need no gradient saves less).
+            with torch.enable_grad():
+                self.unshard(unit)
             self._notify(Event.UNSHARD_BACKWARD, unit)
-            self._seen_backward.append(unit)
+            if unit not in self._seen_backward:
+                self._seen_backward.append(unit)
             self._prefetch_after(unit, self.backward_order)
         return grad
 
@@ -537,10 +578,21 @@ class FSDP(nn.Module):
         at :meth:`finish_gradient_synchronization`, whichever comes first)."""
         full_grad = unit.full.grad
         assert full_grad is not None
-        self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
-        unit.full.grad = None
         if self.reduce_dtype is not None:
             full_grad = full_grad.to(self.reduce_dtype)  # a copy when the dtypes differ
+        if unit.unsharded_grad is not None:  # what the no_sync micro-batches left
+            full_grad = unit.unsharded_grad.add_(full_grad)
+            unit.unsharded_grad = None
+        if not self.require_gradient_sync:
+            unit.full.grad = None
+            unit.unsharded_grad = full_grad  # held whole until a backward outside no_sync
+            self._notify(Event.KEEP_GRADIENT, unit)
+            unit.backward_pending = False
+            self.reshard(unit)
+            self._notify(Event.RESHARD_BACKWARD, unit)
+            return
+        self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
+        unit.full.grad = None
         if self._ring_reduce:
             mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
             self._add_grad(unit, mine)
@@ -573,6 +625,58 @@ class FSDP(nn.Module):
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(
                 kwargs, self.compute_dtype)
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without communication, as ``DistributedDataParallel.no_sync``:
+        the backward passes inside keep every unit's full gradient (added up over the
+        micro-batches) instead of reduce-scattering it; the first backward outside adds its
+        own and reduce-scatters the sum once. For k micro-batches a step then sends one
+        reduce-scatter per unit instead of k, at the price of holding the full (unsharded)
+        gradient of every unit, S bytes in ``reduce_dtype``, between the micro-batches,
+        where accumulating sharded gradients holds S/N. The all-gathers are not saved:
+        every micro-batch's forward and backward gather the parameters again."""
+        previous, self.require_gradient_sync = self.require_gradient_sync, False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient of the whole model, held as N shards, to norm ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` would on one process; return the total norm.
+
+        The p-norm of the full gradient is (sum over ranks of each shard's sum |g|^p)^(1/p)
+        (the max over ranks for p = inf): one all-reduce of one number, 4 bytes, and every
+        rank scales its shards by the same factor min(1, max_norm / (norm + 1e-6)).
+        Clipping each shard by its own norm would scale every rank by a different factor,
+        and the step would no longer be the one-process step. Call it after
+        :meth:`finish_gradient_synchronization` (the reduce-scatters must have landed)."""
+        if not max_norm > 0:  # inf allowed: the norm alone, nothing scaled
+            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}; e.g. 1.0.")
+        if not (norm_type == math.inf or norm_type > 0):
+            raise ValueError(f"norm_type must be positive or math.inf, got {norm_type!r}.")
+        for unit in self.units:
+            self._land_reduce(unit)
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        device = self.units[0].shard.device if self.units else torch.device("cpu")
+        if norm_type == math.inf:
+            local = max((g.detach().abs().max() for g in grads),
+                        default=torch.zeros((), device=device)).float().reshape(1)
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum((g.detach().float().abs().pow(norm_type).sum() for g in grads),
+                        torch.zeros((), device=device)).reshape(1)
+            op = dist.ReduceOp.SUM
+        if self.collectives is Algorithm.RING:
+            local = ring_all_reduce(local, op, group=self.group, recorder=self.recorder)
+        else:
+            dist.all_reduce(local, op, group=self.group)
+        total = local[0] if norm_type == math.inf else local[0].pow(1.0 / norm_type)
+        factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(factor.to(g.dtype))
+        return total
 
     def finish_gradient_synchronization(self) -> None:
         """Check that every unit's gradient was reduce-scattered (they are, during backward)
@@ -610,3 +714,6 @@ class FSDP(nn.Module):
             for handle in unit.hooks:
                 handle.remove()
             unit.hooks = []
+        for undo in self._undo_checkpointing:
+            undo()
+        self._undo_checkpointing = []
