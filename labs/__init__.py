@@ -21,6 +21,9 @@ order:
   is the transformer training lab (``python -m labs ddp``).
 * :mod:`labs.zero` (ZeRO-1/2), :mod:`labs.fsdp` (ZeRO-3) and :mod:`labs.fsdp_torch` (torch's
   ``fully_shard`` beside them) - chapter 6.
+* :mod:`labs.activations` (activation memory, checkpointing), :mod:`labs.precision` (fp16
+  loss scaling, ``ShardedGradScaler``) and :mod:`labs.checkpoint` (sharded checkpoints that
+  load on any number of ranks) - chapter 7, FSDP in practice (``python -m labs fsdp``).
 * :mod:`labs.wrappers` - ``Wrapper``, which data-parallel wrapper holds the model, and the
   factory that builds each one.
 * :mod:`labs.tables` - plain text tables (one formatter, no matplotlib).

@@ -12,6 +12,8 @@
     python -m labs ddp --world-size 2 --steps 40 --checkpoint run.pt --resume
     torchrun --standalone --nproc_per_node=2 -m labs ddp --steps 60 --accumulation 2
     python -m labs zero --world-size 4 --width 256 --layers 8
+    python -m labs fsdp --world-size 4 --steps 20 --checkpoint run/ --dtype bf16
+    python -m labs fsdp --world-size 2 --steps 30 --accumulation 4 --checkpoint run/ --resume
     torchrun --standalone --nproc_per_node=8 -m labs zero --width 2048 --layers 16
 
 Across nodes, run the same command on every node with its own --node_rank; HOST is node 0's
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from labs.bench.collectives import add_case_arguments, settings_from_args
+from labs.experiments.recipe import RecipeConfig, budget_table, loss_report, recipe_worker
 from labs.experiments.sweep import sweep_tables
 from labs.experiments.timing import time_collectives
 from labs.experiments.zero import LAB_SETTINGS, lab_worker
@@ -135,6 +138,25 @@ def _zero(opts: argparse.Namespace, world_size: int) -> None:
     print(traffic_table(traffic))
 
 
+def _fsdp(opts: argparse.Namespace, world_size: int) -> None:
+    """Chapter 7: the whole recipe (FSDP, bf16, checkpointing, no_sync, clipping, sharded
+    checkpoints that resume on any number of ranks)."""
+    config = RecipeConfig(
+        steps=opts.steps, batch_size=opts.batch_size, accumulation=opts.accumulation,
+        lr=opts.lr, seed=opts.seed, d_model=opts.d_model, n_layers=opts.layers,
+        dtype=opts.dtype, activation_checkpointing=not opts.no_checkpointing,
+        max_norm=opts.max_norm or None, checkpoint=opts.checkpoint,
+        checkpoint_every=opts.checkpoint_every, resume=opts.resume,
+        measure_memory=opts.memory)
+    config.check(world_size)  # before any process starts
+    results = _run(recipe_worker, world_size, (config,), opts.backend, timeout=opts.timeout)
+    if results is None:
+        return  # under torchrun, rank 0 prints
+    print(loss_report(results[0]))
+    if opts.memory:
+        print(budget_table(results[0]))
+
+
 #: --wrapper names -> Wrapper
 _WRAPPERS = {"naive": Wrapper.NAIVE, "ours": Wrapper.DDP, "torch": Wrapper.TORCH_DDP}
 #: --strategies names -> Wrapper
@@ -212,7 +234,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     zero.add_argument("--timeout", type=float, default=600.0,
                       help="seconds before local ranks are killed (ignored under torchrun)")
     zero.set_defaults(run=_zero)
-    for lab in (toy, grads, col, ddp, zero):
+    recipe = RecipeConfig()
+    fsdp = sub.add_parser("fsdp", help="chapter 7: the transformer trained with FSDP, bf16, "
+                          "activation checkpointing, accumulation, clipping; sharded "
+                          "checkpoints")
+    fsdp.add_argument("--steps", type=int, default=recipe.steps,
+                      help="optimizer steps to reach (a resumed run continues up to it)")
+    fsdp.add_argument("--batch-size", type=int, default=recipe.batch_size,
+                      help="windows per rank per micro-batch")
+    fsdp.add_argument("--accumulation", type=int, default=recipe.accumulation,
+                      help="micro-batches per optimizer step (all but the last in no_sync)")
+    fsdp.add_argument("--lr", type=float, default=recipe.lr, help="AdamW learning rate")
+    fsdp.add_argument("--seed", type=int, default=recipe.seed)
+    fsdp.add_argument("--d-model", type=int, default=recipe.d_model, help="model width")
+    fsdp.add_argument("--layers", type=int, default=recipe.n_layers, help="blocks")
+    fsdp.add_argument("--dtype", choices=["fp32", "bf16"], default=recipe.dtype,
+                      help="compute dtype (shards and gradient reduction stay fp32)")
+    fsdp.add_argument("--no-checkpointing", action="store_true",
+                      help="keep every activation (no activation checkpointing)")
+    fsdp.add_argument("--max-norm", type=float, default=recipe.max_norm,
+                      help="clip the total gradient norm to this (0: no clipping)")
+    fsdp.add_argument("--checkpoint", metavar="DIR",
+                      help="save sharded checkpoints into (and resume from) this directory")
+    fsdp.add_argument("--checkpoint-every", type=int, metavar="STEPS",
+                      help="also save every this many steps (default: at the end only)")
+    fsdp.add_argument("--resume", action="store_true",
+                      help="continue from --checkpoint, on any number of ranks")
+    fsdp.add_argument("--memory", action="store_true",
+                      help="measure rank 0's memory over the last step: the budget table")
+    fsdp.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds before local ranks are killed (ignored under torchrun)")
+    fsdp.set_defaults(run=_fsdp)
+    for lab in (toy, grads, col, ddp, zero, fsdp):
         lab.add_argument("--world-size", type=int, default=4,
                          help="ranks to launch on this machine (ignored under torchrun)")
         lab.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")

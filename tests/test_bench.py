@@ -437,3 +437,4 @@ def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):
     out = capsys.readouterr().out
     assert "FSDP / DDP: " in out and "with communication buffers too" in out, out
     assert out.count("x\n") >= 1 and "FSDP (ZeRO-3)" in out, out
+    assert "of the bytes (target <= 1/3)" in out and "bf16 compute, fp32 reduce" in out, out

@@ -9,6 +9,12 @@ the tensors' storages), communication buffers shown apart, for DDP (labs.ddp.DDP
 (labs.fsdp.FSDP, one unit per Linear layer). Step time: the median over steps of the slowest
 rank's Adam step, DDP and FSDP alternating in one launch, at each batch size. The defaults
 give 10.5 M parameters in 40 layers.
+
+Chapter 7's rows: activation bytes and step time (forward and backward, one process) of the
+chapter's 8-block transformer with and without every block checkpointed
+(labs.activations.measure_checkpointing), and the bytes one FSDP step all-gathers and
+reduce-scatters in fp32, in bf16 with an fp32 reduction, and in bf16 throughout
+(labs.experiments.precision, ring collectives, every byte counted).
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from labs.activations import CHAPTER_MODEL, measure_checkpointing
 from labs.experiments.ddp import Case, Optimizer, StepSettings, measure_step_times
+from labs.experiments.precision import Precision, mixed_on_ranks
 from labs.experiments.zero import Group, memory_worker
 from labs.launcher import launch
 from labs.tables import format_table
+from labs.viz.activations import checkpointing_table
 from labs.wrappers import Wrapper
 
 
@@ -71,3 +80,21 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     print(f"step time at world size {opts.time_world_size} (Adam, median of {opts.steps} "
           "steps, slowest rank)")
     print(format_table(["batch per rank", "DDP ms", "FSDP ms", "FSDP / DDP"], rows))
+    practice(opts.memory_world_size)
+
+
+def practice(world_size: int) -> None:
+    """Chapter 7's rows: activation checkpointing and bf16."""
+    plain, checkpointed = measure_checkpointing(CHAPTER_MODEL)
+    print(f"\nactivations of {CHAPTER_MODEL} (one process)")
+    print(checkpointing_table([plain, checkpointed]))
+    kept = checkpointed.activation_bytes / plain.activation_bytes
+    slower = checkpointed.median_seconds / plain.median_seconds
+    print(f"with checkpointing / without: {kept:.3f} of the bytes (target <= 1/3), "
+          f"{slower:.2f}x the step time")
+    runs = mixed_on_ranks(world_size)[0].runs
+    fp32 = runs[Precision.FP32].all_gather_bytes[-1]
+    rows = [[p.value, run.all_gather_bytes[-1], f"{run.all_gather_bytes[-1] / fp32:.3f}",
+             run.reduce_scatter_bytes[-1]] for p, run in runs.items()]
+    print(f"\nbytes sent by rank 0 in one FSDP step at world size {world_size} (ring, counted)")
+    print(format_table(["precision", "all-gather B", "vs fp32", "reduce-scatter B"], rows))

@@ -18,6 +18,14 @@ from labs.experiments.ddp import (
     measure_step_times,
     measure_timelines,
 )
+from labs.experiments.recipe import (
+    RecipeConfig,
+    budget_table,
+    loss_report,
+    memory_budget,
+    recipe_worker,
+    unit_sizes,
+)
 from labs.experiments.sweep import SweepSettings, run_sweep, sweep_tables
 from labs.experiments.timing import dtype_name, format_size
 from labs.experiments.zero import (
@@ -28,10 +36,11 @@ from labs.experiments.zero import (
 )
 from labs.launcher import launch
 from labs.link import Link
-from labs.tables import toy_table
+from labs.tables import format_table, toy_table
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz.collectives import plot_collective_bars, plot_toy_allreduce
 from labs.viz.ddp import plot_step_times, plot_timeline, step_time_table
+from labs.viz.recipe import plot_budget, plot_losses
 from labs.viz.zero import calculator_table, plot_calculator, plot_step_memory
 from labs.wrappers import ZERO_STAGES, Wrapper
 
@@ -329,3 +338,90 @@ def zero_panel(world_size: int = 4, strategy: Wrapper = Wrapper.FSDP,
         size.value, stage.value, dataclasses.replace(base, width=width.value)))
     display(w.VBox([w.HBox([size, stage, width]), button, out]))
     show_zero_run(world_size, strategy, base)
+
+
+# --- chapter 7: FSDP in practice ----------------------------------------------------------------
+
+
+def budget_calculator(config: RecipeConfig | None = None, world_size: int = 8,
+                      vocab: int = 50_257) -> None:
+    """Width, blocks, sequence, micro-batch, world size, dtype, checkpointing and
+    accumulation of a transformer like the recipe's -> the closed form of each thing a rank
+    holds at the peak of a step (:func:`labs.experiments.recipe.memory_budget`, arithmetic:
+    nothing runs). The default is shown at once; every change redraws."""
+    base = config or RecipeConfig(d_model=2048, n_heads=16, n_layers=24, seq_len=2048,
+                                  batch_size=1)
+    width = w.Dropdown(options=sorted({256, 512, 1024, 2048, 4096, 8192, base.d_model}),
+                       value=base.d_model, description="width")
+    blocks = w.IntSlider(value=base.n_layers, min=1, max=96, description="blocks")
+    seq = w.Dropdown(options=sorted({128, 512, 1024, 2048, 4096, 8192, base.seq_len}),
+                     value=base.seq_len, description="sequence")
+    batch = w.IntSlider(value=base.batch_size, min=1, max=32, description="micro-batch")
+    ranks = w.IntSlider(value=world_size, min=1, max=256, description="world size")
+    dtype = w.Dropdown(options=["fp32", "bf16"], value=base.dtype, description="compute")
+    ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing")
+    accumulation = w.IntSlider(value=base.accumulation, min=1, max=16,
+                               description="micro-batches")
+    out = w.Output()
+
+    def show(*_: object) -> None:
+        with out:
+            out.clear_output(wait=True)
+            heads = max(h for h in (1, 2, 4, 8, 16, 32, 64) if width.value % h == 0)
+            _show_budget(dataclasses.replace(
+                base, d_model=width.value, n_heads=heads, n_layers=blocks.value,
+                seq_len=seq.value, batch_size=batch.value, dtype=dtype.value,
+                activation_checkpointing=ckpt.value, accumulation=accumulation.value),
+                ranks.value, vocab)
+
+    controls = (width, blocks, seq, batch, ranks, dtype, ckpt, accumulation)
+    for control in controls:
+        control.observe(show, names="value")
+    display(w.VBox([w.HBox(list(controls[:4])), w.HBox(list(controls[4:])), out]))
+    _show_budget(base, world_size, vocab)
+
+
+def _show_budget(config: RecipeConfig, world_size: int, vocab: int) -> None:
+    rows = memory_budget(config, world_size, vocab)
+    total = sum(r.model_bytes for r in rows)
+    parameters = sum(unit_sizes(config, vocab))
+    print(f"{parameters / 1e9:.3g} B parameters ({config.n_layers} blocks of width "
+          f"{config.d_model}, vocabulary {vocab:,}), world size {world_size}, "
+          f"{config.dtype} compute, micro-batch {config.batch_size} x {config.seq_len} tokens, "
+          f"{'with' if config.activation_checkpointing else 'without'} checkpointing: "
+          f"{total / 2**30:.2f} GiB per rank at the peak")
+    print(format_table(["held per rank", "GiB", "closed form"],
+                       [[r.name, f"{r.model_bytes / 2**30:.3f}", r.how] for r in rows]))
+    fig = plot_budget(rows, title="closed forms at the peak of a step")
+    display(fig)
+    plt.close(fig)
+
+
+def show_recipe_run(world_size: int, config: RecipeConfig) -> None:
+    """Train the recipe on real ranks, measuring the last step's memory: the loss table,
+    the loss curve and the budget beside the measured peak."""
+    result = launch(recipe_worker, world_size, args=(dataclasses.replace(
+        config, measure_memory=True),), echo=False, timeout=600)[0]
+    print(loss_report(result))
+    print(budget_table(result))
+    fig = plot_losses([(f"{world_size} ranks, {config.dtype}", result)])
+    display(fig)
+    plt.close(fig)
+
+
+def recipe_panel(world_size: int = 2, config: RecipeConfig | None = None) -> None:
+    """World size, compute dtype, checkpointing, micro-batches and steps -> a training run
+    of the recipe on real ranks. The default run is shown at once, as ordinary output."""
+    base = config or RecipeConfig(steps=10)
+    size = w.Dropdown(options=[1, 2, 4], value=world_size, description="world size")
+    dtype = w.Dropdown(options=["fp32", "bf16"], value=base.dtype, description="compute")
+    ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing")
+    accumulation = w.Dropdown(options=[1, 2, 4], value=base.accumulation,
+                              description="micro-batches")
+    steps = w.IntSlider(value=base.steps, min=2, max=60, description="steps")
+    out = w.Output()
+    button = _run_button(out, lambda: show_recipe_run(size.value, dataclasses.replace(
+        base, dtype=dtype.value, activation_checkpointing=ckpt.value,
+        accumulation=accumulation.value, steps=steps.value)))
+    display(w.VBox([w.HBox([size, dtype, ckpt]), w.HBox([accumulation, steps]), button, out]))
+    show_recipe_run(world_size, base)
