@@ -34,6 +34,8 @@ see it), memory an operator uses and frees inside itself, and the allocator's re
 
 The closed form of the chapter's transformer (:func:`activation_bytes`) and MLP
 (:func:`mlp_activation_bytes`) is derived op by op below; both measures equal it exactly.
+The chapter's models and the checkpointing measurement are in
+:mod:`labs.experiments.activations`.
 """
 
 from __future__ import annotations
@@ -42,22 +44,16 @@ import contextlib
 import enum
 import functools
 import itertools
-import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from labs.memory import AllocationTracker
-
-if TYPE_CHECKING:
-    from labs.experiments.ddp import StepSettings
 
 
 def checkpoint_module(module: nn.Module) -> Callable[[], None]:
@@ -400,7 +396,7 @@ def recomputed_modules(workload: Workload) -> tuple[str, ...]:
 # --- the closed form -----------------------------------------------------------------------------
 
 
-def _check_positive(**values: object) -> None:
+def check_positive(**values: object) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive whole number, got {value!r}.")
@@ -453,7 +449,7 @@ def activation_bytes(batch: int, seq_len: int, d_model: int, n_heads: int, n_lay
     that checkpoint stashes per block is not in it: see the module's docstring).
     Parameters are not activations: the tied head weight is the model's storage.
     """
-    _check_positive(batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads,
+    check_positive(batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads,
                     n_layers=n_layers, vocab=vocab)
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} must divide into n_heads={n_heads} heads of equal "
@@ -480,154 +476,7 @@ def mlp_activation_bytes(batch: int, width: int, layers: int, *, element_size: i
     saves nothing. The first Linear's input is the batch (not counted), so what is left is one
     (B, W) tensor per layer, the ReLU's output.
     """
-    _check_positive(batch=batch, width=width, layers=layers)
+    check_positive(batch=batch, width=width, layers=layers)
     if isinstance(element_size, bool) or element_size not in (1, 2, 4, 8):
         raise ValueError(f"element_size must be 1, 2, 4 or 8 bytes, got {element_size!r}.")
     return batch * width * layers * element_size
-
-
-# --- the chapter's transformer -------------------------------------------------------------------
-
-
-def lm_loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-character cross-entropy of ``model(ids)``: (B, T) ids -> a scalar."""
-    return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
-
-
-def mean_square_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Chapter 5's MLP loss: ``model(x).square().mean()``."""
-    return model(x).square().mean()
-
-
-@dataclass(frozen=True)
-class ActivationSettings:
-    """The transformer of :class:`labs.train.TinyTransformer` at one size, a random batch,
-    and how to time a step.
-
-    Attributes:
-        batch, seq_len: B sequences of T characters.
-        d_model, n_heads, n_layers: D, H (dividing D) and L blocks.
-        dtype: the parameters' and activations' dtype (float32 or bfloat16 on CPU).
-        seed: the weights' and the batch's.
-        repeats: timed steps (forward + backward) per case; warmup: untimed ones first.
-    """
-
-    batch: int = 8
-    seq_len: int = 64
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 8
-    dtype: torch.dtype = torch.float32
-    seed: int = 0
-    repeats: int = 7
-    warmup: int = 2
-
-    def __post_init__(self) -> None:
-        _check_positive(batch=self.batch, seq_len=self.seq_len, d_model=self.d_model,
-                        n_heads=self.n_heads, n_layers=self.n_layers, repeats=self.repeats)
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must divide into n_heads={self.n_heads} "
-                             "heads of equal size: pick a multiple of n_heads.")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32 or "
-                             f"torch.bfloat16, got {self.dtype!r}.")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be a whole number >= 0, got {self.warmup!r}.")
-
-    @property
-    def vocab(self) -> int:
-        """V: the characters of the training text (``labs.train.CHARS``)."""
-        # labs.train imports labs.fsdp (through labs.wrappers), which imports this module:
-        # importing it here, when a model is first asked for, keeps the import graph acyclic.
-        from labs.train import CHARS
-
-        return len(CHARS)
-
-    def activation_bytes(self, *, checkpointing: bool = False) -> int:
-        """:func:`activation_bytes` at these settings."""
-        return activation_bytes(self.batch, self.seq_len, self.d_model, self.n_heads,
-                                self.n_layers, self.vocab, element_size=self.dtype.itemsize,
-                                checkpointing=checkpointing)
-
-    def workload(self, *, checkpointing: bool = False) -> Workload:
-        """The model (every block a checkpoint if asked), a random (ids, targets) batch and
-        :func:`lm_loss`; the same weights and batch on every call."""
-        from labs.train import TinyTransformer  # see vocab: an import cycle otherwise
-
-        model = TinyTransformer(self.vocab, self.d_model, self.n_heads, self.n_layers,
-                                self.seq_len)
-        model.reset_parameters(torch.Generator().manual_seed(self.seed))
-        model.to(self.dtype)
-        if checkpointing:
-            for block in model.blocks:
-                checkpoint_module(block)
-        generator = torch.Generator().manual_seed(self.seed + 1)
-        ids, targets = (torch.randint(0, self.vocab, (self.batch, self.seq_len),
-                                      generator=generator) for _ in range(2))  # (B, T) int64
-        return Workload(model, (ids, targets), lm_loss)
-
-
-#: The chapter's 8-block model: a step (forward + backward) takes tens of milliseconds on
-#: one CPU core.
-CHAPTER_MODEL = ActivationSettings(batch=8, seq_len=64, d_model=64, n_heads=4, n_layers=8)
-
-
-def mlp_workload(settings: StepSettings, seed: int = 0) -> Workload:
-    """Chapter 5/6's MLP (:func:`labs.experiments.ddp.mlp`), a random (batch, width) input and
-    :func:`mean_square_loss`."""
-    from labs.experiments.ddp import mlp  # labs.experiments.ddp imports labs.fsdp: see vocab
-
-    x = torch.randn(settings.batch, settings.width,
-                    generator=torch.Generator().manual_seed(seed + 1))  # (B, W)
-    return Workload(mlp(settings, seed), (x,), mean_square_loss)
-
-
-@dataclass(frozen=True)
-class CheckpointCase:
-    """One model measured with or without activation checkpointing of every block."""
-
-    checkpointing: bool
-    activation_bytes: int  #: measured (:func:`measure_alive`)
-    formula_bytes: int  #: :func:`activation_bytes`
-    seconds: tuple[float, ...]  #: each timed step: forward, loss and backward
-    recomputed: int  #: module forwards that ran again during backward (:func:`recomputed_modules`)
-
-    @property
-    def median_seconds(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def min_seconds(self) -> float:
-        return min(self.seconds)
-
-    @property
-    def max_seconds(self) -> float:
-        return max(self.seconds)
-
-
-def _step_seconds(workload: Workload) -> float:
-    workload.model.zero_grad(set_to_none=True)
-    started = time.perf_counter()
-    workload.forward().backward()
-    return time.perf_counter() - started
-
-
-def measure_checkpointing(settings: ActivationSettings = CHAPTER_MODEL,
-                          ) -> tuple[CheckpointCase, CheckpointCase]:
-    """The model without and with every block checkpointed: activation bytes (measured and by
-    the formula), step times and how much backward recomputes. The two cases are timed in
-    turns, step by step, after ``warmup`` untimed steps each, so a slow moment of the machine
-    falls on both; report the median and the spread, not one sample."""
-    plain, checkpointed = (settings.workload(checkpointing=c) for c in (False, True))
-    times: tuple[list[float], list[float]] = ([], [])
-    for step in range(settings.warmup + settings.repeats):
-        order = (0, 1) if step % 2 == 0 else (1, 0)
-        for i in order:
-            seconds = _step_seconds((plain, checkpointed)[i])
-            if step >= settings.warmup:
-                times[i].append(seconds)
-    without, with_ = (
-        CheckpointCase(c, measure_alive(w).total_bytes, settings.activation_bytes(
-            checkpointing=c), tuple(t), len(recomputed_modules(w)))
-        for c, w, t in zip((False, True), (plain, checkpointed), times, strict=True))
-    return without, with_

@@ -336,8 +336,8 @@ class FSDP(nn.Module):
         module: the model, built the same way on every rank (its parameters are broadcast
             from rank 0 before they are sharded).
         compute_dtype: dtype of the gathered parameters, of forward and backward, and of the
-            collectives (e.g. ``torch.bfloat16``); the shards stay fp32. Floating-point
-            inputs of the root forward are cast to it.
+            collectives (e.g. ``torch.bfloat16``); the shards stay fp32, frozen parameters are
+            held in it. Floating-point inputs of every unit's forward are cast to it.
         reduce_dtype: dtype in which the gradients are reduce-scattered (summed over ranks);
             None (default, as torch's ``MixedPrecisionPolicy``): ``compute_dtype``. With bf16
             compute, ``torch.float32`` sums N bf16 gradients without rounding each partial
@@ -541,13 +541,16 @@ class FSDP(nn.Module):
             self.unshard(order[position + 1], prefetch=True)
             self._notify(Event.PREFETCH, order[position + 1])
 
-    def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> None:
-        del args
+    def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         self.unshard(unit)
         self._notify(Event.UNSHARD_FORWARD, unit)
         if torch.is_grad_enabled() and unit not in self._seen_forward:  # once per micro-batch run
             self._seen_forward.append(unit)
         self._prefetch_after(unit, self.forward_order)
+        # Each unit's floating inputs in the compute dtype (as fully_shard's
+        # cast_forward_inputs): a buffer or a frozen weight kept in fp32 between units would
+        # otherwise promote the activations back to fp32 before a bf16 layer.
+        return _cast_floats(args, self.compute_dtype) if self.compute_dtype else None
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
         self.reshard(unit)

@@ -16,21 +16,23 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from labs.activations import (
-    CHAPTER_MODEL,
     LOSS,
     MODEL,
     ActivationMeasure,
-    ActivationSettings,
     SavedKind,
     Workload,
     activation_bytes,
     gradients,
     measure_alive,
-    measure_checkpointing,
     measure_saved,
     mlp_activation_bytes,
-    mlp_workload,
     recomputed_modules,
+)
+from labs.experiments.activations import (
+    CHAPTER_MODEL,
+    ActivationSettings,
+    measure_checkpointing,
+    mlp_workload,
 )
 from labs.experiments.ddp import StepSettings
 from labs.experiments.zero import LAB_SETTINGS

@@ -176,3 +176,19 @@ def test_clip_refuses_a_norm_that_is_not_positive():
         FSDP(build()).clip_grad_norm_(0.0)
     with pytest.raises(Exception, match="max_norm must be a positive number"):
         launch(worker, 1, echo=False)
+
+
+def buffer_worker(rank: int, world_size: int) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    from labs.models import TiedNet
+    net = TiedNet(11, 6, seed=rank)  # its fp32 buffer scales the embedding in forward
+    model = FSDP(net, torch.bfloat16)
+    logits = model(torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(0)))
+    return logits.dtype, net.frozen.weight.dtype, net.scale.dtype
+
+
+def test_an_fp32_buffer_before_a_unit_does_not_stop_bf16_compute():
+    """Each unit's inputs are cast to the compute dtype, so embed(ids) * scale (an fp32
+    buffer) does not reach the hidden unit's bf16 weight in fp32; the frozen layer is held in
+    bf16; the buffer stays as it is."""
+    for got in launch(buffer_worker, 2, echo=False):
+        assert got == (torch.bfloat16, torch.bfloat16, torch.float32)

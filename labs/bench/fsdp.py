@@ -12,7 +12,7 @@ give 10.5 M parameters in 40 layers.
 
 Chapter 7's rows: activation bytes and step time (forward and backward, one process) of the
 chapter's 8-block transformer with and without every block checkpointed
-(labs.activations.measure_checkpointing), and the bytes one FSDP step all-gathers and
+(labs.experiments.activations.measure_checkpointing), and the bytes one FSDP step all-gathers and
 reduce-scatters in fp32, in bf16 with an fp32 reduction, and in bf16 throughout
 (labs.experiments.precision, ring collectives, every byte counted).
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from labs.activations import CHAPTER_MODEL, measure_checkpointing
+from labs.experiments.activations import CHAPTER_MODEL, measure_checkpointing
 from labs.experiments.ddp import Case, Optimizer, StepSettings, measure_step_times
 from labs.experiments.precision import Precision, mixed_on_ranks
 from labs.experiments.zero import Group, memory_worker

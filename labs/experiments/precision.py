@@ -205,11 +205,11 @@ class MixedReport:
 
 def cast_frozen_and_buffers(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast the frozen floating-point parameters and the floating-point buffers of
-    ``module`` to ``dtype``, in place. :class:`labs.fsdp.FSDP` computes in ``compute_dtype``
-    only with the parameters it shards; a frozen weight (kept whole) or a buffer left in fp32
-    would promote the activations back to fp32 (TiedNet's ``embed(ids) * scale``), and the
-    next bf16 layer refuses an fp32 input. torch's ``fully_shard`` casts frozen parameters
-    with the others and casts every unit's inputs instead."""
+    ``module`` to ``dtype``, in place, before wrapping. Both :class:`labs.fsdp.FSDP` and
+    torch's ``fully_shard`` hold frozen parameters in the compute dtype and cast each unit's
+    inputs to it, but leave buffers alone: TiedNet's ``embed(ids) * scale`` would then be
+    computed in fp32 and rounded at the next unit. Casting the buffer once makes every
+    operation of the forward a bf16 one, the same in both wrappers."""
     with torch.no_grad():
         for param in module.parameters():
             if not param.requires_grad and param.is_floating_point():

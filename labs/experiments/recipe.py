@@ -330,4 +330,4 @@ def loss_report(result: RecipeResult, rows: int = 8) -> str:
     return "\n".join([
         format_table(["step", "loss", "gradient norm (before clipping)"], table),
         f"final loss {result.final_loss:.4f} after step {steps[-1] if table else 0}, on "
-        f"{result.world_size} ranks ({result.seconds:.2f} s)"])
+        f"{result.world_size} rank{'s' if result.world_size > 1 else ''} ({result.seconds:.2f} s)"])

@@ -9,7 +9,8 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from labs.activations import ActivationReport, CheckpointCase, SavedKind
+from labs.activations import ActivationReport, SavedKind
+from labs.experiments.activations import CheckpointCase
 from labs.tables import format_table
 
 
@@ -89,5 +90,7 @@ def plot_activations(reports: Mapping[str, ActivationReport], *, title: str = ""
     ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize="small")
     ax.set(ylabel=f"activation bytes ({unit})",
            title=title or "Bytes kept for backward, per layer")
-    ax.legend(fontsize="small", frameon=False)
+    top = max(by / scale for r in reports.values() for by in r.bytes_by_layer().values())
+    ax.set_ylim(0, 1.35 * top)  # room above the bars for the legend
+    ax.legend(fontsize="small", frameon=False, loc="upper center", ncols=len(reports))
     return fig

@@ -359,7 +359,8 @@ def budget_calculator(config: RecipeConfig | None = None, world_size: int = 8,
     batch = w.IntSlider(value=base.batch_size, min=1, max=32, description="micro-batch")
     ranks = w.IntSlider(value=world_size, min=1, max=256, description="world size")
     dtype = w.Dropdown(options=["fp32", "bf16"], value=base.dtype, description="compute")
-    ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing")
+    ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing",
+                      indent=False, layout=w.Layout(width="150px"))
     accumulation = w.IntSlider(value=base.accumulation, min=1, max=16,
                                description="micro-batches")
     out = w.Output()
@@ -415,7 +416,8 @@ def recipe_panel(world_size: int = 2, config: RecipeConfig | None = None) -> Non
     base = config or RecipeConfig(steps=10)
     size = w.Dropdown(options=[1, 2, 4], value=world_size, description="world size")
     dtype = w.Dropdown(options=["fp32", "bf16"], value=base.dtype, description="compute")
-    ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing")
+    ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing",
+                      indent=False, layout=w.Layout(width="150px"))
     accumulation = w.Dropdown(options=[1, 2, 4], value=base.accumulation,
                               description="micro-batches")
     steps = w.IntSlider(value=base.steps, min=2, max=60, description="steps")
