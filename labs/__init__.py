@@ -13,7 +13,8 @@ order:
   point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces;
   beneath it :mod:`labs.p2p` (the point-to-point calls, counted) and
   :mod:`labs.ring_schedule` (how a ring pass runs), and :mod:`labs.link` (``Link``, an
-  emulated network those messages can go over: ``launch(..., link=Link(...))``).
+  emulated network those messages can go over: ``launch(..., link=Link(...))``, and
+  ``Topology``, nodes joined by a slower link, chapter 8).
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model, its closed forms on the
   emulated link and its fit on this machine.
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
@@ -45,7 +46,7 @@ from labs.launcher import (
     rank_device,
     shutdown,
 )
-from labs.link import Link
+from labs.link import Link, Topology
 
 __all__ = [
     "MAX_WORLD_SIZE",
@@ -55,6 +56,7 @@ __all__ = [
     "RankError",
     "RankResults",
     "StartMethod",
+    "Topology",
     "launch",
     "rank_device",
     "shutdown",

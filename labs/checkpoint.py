@@ -90,6 +90,9 @@ class Problem(enum.Enum):
     OTHER_OPTIMIZER = "another optimizer"
     """The optimizer's class or param groups differ from the saved one's, or one of the two
     has no optimizer."""
+    HYBRID = "hybrid-sharded model"
+    """The model is HSDP (``shard_size`` < world size): its shards are cut by the shard
+    group, not by every rank, and this layout does not describe them."""
     MID_STEP = "model mid-step"
     """A unit is gathered (a forward or backward is running): load between steps."""
     WRITE_FAILED = "write failed"
@@ -345,6 +348,12 @@ def _flag_device(model: FSDP) -> torch.device:
 
 
 def _check_sharded(model: FSDP, path: Path) -> None:
+    if model.shard_size != model.world_size:
+        raise CheckpointError(
+            f"the model is HSDP (shard_size={model.shard_size} of {model.world_size} ranks): "
+            f"labs.checkpoint saves and loads shards cut over every rank, not {path}'s "
+            "hybrid layout. Build the model with shard_size=None to checkpoint it, or save "
+            "gather_full_params() from one rank.", Problem.HYBRID, path)
     busy = [u.name for u in model.units if u.state is not ShardedState.SHARDED]
     if busy:
         raise CheckpointError(

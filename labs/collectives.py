@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -591,3 +592,102 @@ def all_gather(
     builtin_all_gather(gathered, padded, group)
     return torch.cat([gathered[i * longest: i * longest + bounds[i + 1] - bounds[i]]
                       for i in range(n)])
+
+
+# --- beyond one node: the hierarchical all-reduce (chapter 8) ---------------------------------
+
+
+@dataclass(frozen=True)
+class HierarchicalGroups:
+    """The sub-groups of a hierarchical all-reduce over ``group`` (None: the world) in nodes of
+    ``node_size`` consecutive ranks: ``node``, this rank's node (group ranks j*g .. j*g+g-1,
+    g = ``node_size``), and ``cross``, the ranks of every node with this rank's local rank
+    (l, l+g, l+2g, ...).
+
+    Build it once and pass it to every call: :meth:`build` is a collective in which every rank
+    of the default process group creates every sub-group, in the same order, as
+    ``dist.new_group`` requires (one call per node and per local rank: n + g calls, each a
+    round of the store). Kept by the caller, so there is no module-level cache."""
+
+    node_size: int
+    size: int  #: ranks in ``group``
+    node: ProcessGroup | None
+    cross: ProcessGroup | None
+    group: ProcessGroup | None = None
+
+    @classmethod
+    def build(cls, node_size: int, group: ProcessGroup | None = None) -> HierarchicalGroups:
+        """Create the node and cross-node groups of this rank (call it on every rank)."""
+        size = dist.get_world_size(group)
+        _check_node_size(node_size, size)
+        ranks = [i if group is None else dist.get_global_rank(group, i) for i in range(size)]
+        mine = dist.get_rank(group)
+        node: ProcessGroup | None = None
+        cross: ProcessGroup | None = None
+        for j in range(size // node_size):  # every rank creates every group, in this order
+            made = dist.new_group(ranks[j * node_size:(j + 1) * node_size])
+            if j == mine // node_size:
+                node = made
+        for local in range(node_size):
+            made = dist.new_group(ranks[local::node_size])
+            if local == mine % node_size:
+                cross = made
+        return cls(node_size, size, node, cross, group)
+
+
+def _check_node_size(node_size: object, world_size: int) -> None:
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+        raise ValueError(f"node_size must be an int >= 1 (ranks per node), got {node_size!r}.")
+    if world_size % node_size:
+        raise ValueError(
+            f"node_size={node_size} does not divide the world size {world_size}: a "
+            "hierarchical all-reduce needs whole nodes. Pick a node_size that divides it "
+            f"(here one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}).")
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor, node_size: int, group: ProcessGroup | None = None,
+    *, recorder: Recorder | None = None, groups: HierarchicalGroups | None = None,
+    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` in place, in nodes of ``node_size``
+    consecutive ranks, in three rings:
+
+    1. ring reduce-scatter inside each node: local rank l ends with chunk l (of g =
+       ``node_size``, :func:`shard_bounds`) summed over its node;
+    2. ring all-reduce of that chunk across nodes, among the n = N/g ranks of local rank l:
+       now it is summed over every rank;
+    3. ring all-gather inside each node: every rank holds every chunk.
+
+    Cost per rank (S bytes): intra-node ``2(g-1)/g S`` (phases 1 and 3), inter-node
+    ``2(n-1)/n S/g`` (phase 2), against the flat ring's ``2(N-1)/N S`` of which, on the ranks
+    at a node's edge, all crosses nodes. The g cross-node rings run at once, each on its own
+    network card (:class:`labs.link.Topology`), so the slow links carry g times less per
+    rank. Holds S/g for the shard and 2S/g scratch while it runs.
+
+    ``groups`` (from :meth:`HierarchicalGroups.build`) saves creating the sub-groups on every
+    call; without it they are created here, which every rank of the default group must then
+    call together. A ``node_size`` that does not divide the group's size is refused before any
+    message is sent. ``segment_bytes`` is passed to the rings (None: lock-step).
+    """
+    _check(tensor, ReduceOp.SUM)
+    size = Peers.of(group, None, tensor).size  # refuses an uninitialised group, a CUDA tensor
+    _check_node_size(node_size, size)
+    if groups is None:
+        groups = HierarchicalGroups.build(node_size, group)
+    elif groups.node_size != node_size or groups.size != size or groups.group is not group:
+        raise ValueError(f"groups were built for node_size={groups.node_size} over "
+                         f"{groups.size} ranks of another group; build them for this call: "
+                         "HierarchicalGroups.build(node_size, group).")
+
+    def body(flat: torch.Tensor) -> None:
+        if size == 1 or flat.numel() == 0:
+            return
+        shard = ring_reduce_scatter(flat, group=groups.node, recorder=recorder,
+                                    segment_bytes=segment_bytes)  # 1-D, chunk l of g
+        ring_all_reduce(shard, group=groups.cross, recorder=recorder,
+                        segment_bytes=segment_bytes)
+        ring_all_gather(shard, groups.node, numel=flat.numel(), recorder=recorder,
+                        segment_bytes=segment_bytes, out=flat)
+
+    return _in_place(tensor, body)

@@ -33,6 +33,7 @@ whatever algorithm torch's built-in picks (there is no closed form for ``Algorit
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,11 +41,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective
+from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective, shard_bounds
 from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p, time_reduction
 from labs.experiments.timing import COMM_THREADS, Statistic, format_size
 from labs.launcher import cpu_cores, launch
-from labs.link import Link
+from labs.link import Link, Topology
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -573,3 +574,143 @@ def plot_cost_model(
     fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncol=5,
                fontsize="x-small")
     return fig
+
+
+# --- on a topology: nodes joined by a slower link (chapter 8) ----------------------------------
+
+
+class TopologyAlgorithm(enum.Enum):
+    """The two all-reduces chapter 8 compares on a :class:`labs.Topology`."""
+
+    #: :func:`labs.collectives.ring_all_reduce` over all N ranks, lock-step
+    #: (``segment_bytes=None``): one ring that crosses between nodes at every node's edge.
+    FLAT_RING = "flat ring"
+    #: :func:`labs.collectives.hierarchical_all_reduce`, lock-step: reduce-scatter inside each
+    #: node, all-reduce across nodes, all-gather inside each node.
+    HIERARCHICAL = "hierarchical"
+
+
+def _check_topology(size_bytes: float, world_size: int, topology: Topology) -> int:
+    """Validate the arguments of a topology form; return the number of nodes."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a labs.Topology, got {type(topology).__name__}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
+    if not isinstance(size_bytes, (int, float)) or not math.isfinite(size_bytes) \
+            or size_bytes < 0:
+        raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}.")
+    return topology.nodes(world_size)
+
+
+def ring_step_times(size_bytes: float, world_size: int, topology: Topology) -> list[list[float]]:
+    """When each rank finishes each step of a lock-step flat ring all-reduce of S =
+    ``size_bytes`` on ``topology``, every rank starting at 0: ``times[k][r]`` for step k =
+    0 .. 2(N-1)-1 (reduce-scatter, then all-gather).
+
+    At step k rank r sends a chunk c = S/N to r+1 as soon as it finished step k-1 and
+    receives one from r-1; the hop r-1 -> r is intra-node or inter-node. By the port model
+    (:mod:`labs.link`) with T_h = alpha_h + c/bw_h::
+
+        t(r, k) = max(t(r-1, k-1) + T_in(r),       # the chunk from the left arrives
+                      t(r, k-1) + c/bw_out(r),     # my outgoing port is free again
+                      t(r, k-1) + c/bw_in(r))      # my incoming port is free again
+
+    A rank at a node's edge sends or receives over the slow link, so it needs c/bw_inter every
+    step however early its neighbour was: every step waits for the slowest hop, and the ranks
+    inside the node, which could go faster, wait for the edge ones one step later. This is
+    what the chapter draws, step by step (the last row is :func:`predict_on_topology`)."""
+    _check_topology(size_bytes, world_size, topology)
+    n = world_size
+    if n == 1 or size_bytes == 0:
+        return []
+    chunk = size_bytes / n
+    into = [topology.link((r - 1) % n, r) for r in range(n)]  # the hop r-1 -> r
+    out = [topology.link(r, (r + 1) % n) for r in range(n)]
+    done = [0.0] * n
+    times: list[list[float]] = []
+    for _ in range(2 * (n - 1)):
+        done = [max(done[r - 1] + into[r].seconds(chunk),
+                    done[r] + chunk / out[r].bandwidth,
+                    done[r] + chunk / into[r].bandwidth) for r in range(n)]
+        times.append(done)
+    return times
+
+
+def predict_on_topology(
+    algorithm: TopologyAlgorithm, size_bytes: float, world_size: int, topology: Topology,
+) -> float:
+    """Seconds of one lock-step all-reduce of S = ``size_bytes`` on N = ``world_size`` ranks in
+    n = N/g nodes of g = ``topology.node_size``, every rank starting at the same moment. Write
+    T_i(m) = alpha_intra + m/bw_intra and T_e(m) = alpha_inter + m/bw_inter.
+
+    * **Flat ring**: 2(N-1) steps of a chunk c = S/N (:func:`ring_step_times`, exact for the
+      port model). When the inter-node link is the bottleneck of a step, c/bw_inter >=
+      (T_e(c) + (g-1) T_i(c)) / g, which holds for large messages on a link 10x slower, the
+      edge ranks' network ports are busy every step and the form is
+      ``alpha_inter + 2(N-1) c/bw_inter``: every step pays the slowest hop's bytes, once
+      alpha. When latency dominates instead, latencies of successive hops overlap and the
+      time lies between that and ``2(N-1)/g T_e(c) + 2(N-1)(g-1)/g T_i(c)``. With one node
+      it is the homogeneous ring on ``intra``, ``2(N-1) T_i(c)``.
+    * **Hierarchical**: the three rings run one after another, each homogeneous, so each
+      lock-step ring costs (steps) x T(its chunk):
+      ``(g-1) T_i(S/g)`` (reduce-scatter in the node) + ``2(n-1) T_e(S/(g n))`` (all-reduce
+      of the S/g shard across nodes; the g rings of a node run at once on separate network
+      ports) + ``(g-1) T_i(S/g)`` (all-gather in the node). Bytes on the critical path:
+      2(g-1)/g S through intra ports, 2(n-1)/n S/g through inter ports.
+
+    With g = 2, n = 4, bw_inter = bw_intra/10 and latencies negligible the flat ring costs
+    1.75 S/bw_inter, the hierarchical one 0.75 S/bw_inter + 0.1 S/bw_inter: 2.06x faster.
+    Additions and uneven chunks are left out, as in :func:`predict_on_link`."""
+    nodes = _check_topology(size_bytes, world_size, topology)
+    if not isinstance(algorithm, TopologyAlgorithm):
+        raise TypeError(f"algorithm must be a TopologyAlgorithm, got {algorithm!r}.")
+    if world_size == 1 or size_bytes == 0:
+        return 0.0
+    if algorithm is TopologyAlgorithm.FLAT_RING:
+        return max(ring_step_times(size_bytes, world_size, topology)[-1])
+    g = topology.node_size
+    within = (g - 1) * topology.intra.seconds(size_bytes / g)
+    across = 2 * (nodes - 1) * topology.inter.seconds(size_bytes / (g * nodes))
+    return within + across + within
+
+
+def bytes_across_nodes(
+    algorithm: TopologyAlgorithm, numel: int, element_size: int, world_size: int,
+    node_size: int,
+) -> list[int]:
+    """The bytes each rank sends to ranks on other nodes in one all-reduce of ``numel``
+    elements of ``element_size`` bytes, exactly (chunks cut by
+    :func:`labs.collectives.shard_bounds`); index = global rank.
+
+    * **Flat ring**: only a node's last rank sends across, to the next node's first; it sends
+      every chunk but its own in the reduce-scatter and every chunk but its right
+      neighbour's in the all-gather: ``2S - c_r - c_(r+1)``, about 2(N-1)/N S (0 for the
+      others, and for everyone when there is one node).
+    * **Hierarchical**: every rank sends only its cross-node ring's traffic across, on its
+      shard of S/g: ``2 s - d_j - d_(j+1)`` with s its shard and d the shard's n chunks,
+      about 2(n-1)/n S/g: g times less than the flat ring's edge rank, spread over all g
+      network ports of a node instead of one."""
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 \
+            or world_size % node_size:
+        raise ValueError(f"node_size must be an int >= 1 that divides world_size "
+                         f"({world_size}), got {node_size!r}.")
+    g, n = node_size, world_size // node_size
+
+    def sizes(total: int, parts: int) -> list[int]:
+        bounds = shard_bounds(total, parts)
+        return [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+    out = [0] * world_size
+    if n == 1:
+        return out
+    if algorithm is TopologyAlgorithm.FLAT_RING:
+        chunks = sizes(numel, world_size)
+        for r in range(g - 1, world_size, g):
+            out[r] = (2 * numel - chunks[r] - chunks[(r + 1) % world_size]) * element_size
+        return out
+    shards = sizes(numel, g)
+    for r in range(world_size):
+        j, local = divmod(r, g)
+        pieces = sizes(shards[local], n)
+        out[r] = (2 * shards[local] - pieces[j] - pieces[(j + 1) % n]) * element_size
+    return out

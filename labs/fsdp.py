@@ -31,6 +31,24 @@ and a local sum: :func:`_reduce_scatter_from`). With ``collectives=Algorithm.RIN
 chapter 3's and 4's ring (:mod:`labs.collectives`, point-to-point messages, one at a time), so
 a :class:`~labs.collectives.Recorder` counts every byte. Names follow PyTorch FSDP:
 ``unshard``/``reshard``, ``ShardedState``, ``finish_gradient_synchronization``.
+
+**HSDP** (hybrid sharding, ``FSDP(module, shard_size=g)``; PyTorch's
+``ShardingStrategy.HYBRID_SHARD``, or ``fully_shard`` on a 2-D ``("replicate", "shard")``
+mesh). The N ranks are cut into n = N/g groups of g consecutive ranks, ``[0, g)``,
+``[g, 2g)``, ... (a node each, when g is the number of GPUs per node). Parameters are sharded
+*inside* a group, g shards, and each shard is replicated n times, once per group: rank r holds
+shard ``r % g``. Per unit and step: the all-gathers run inside the group; the gradient is
+reduce-scattered inside the group (the sum over its g ranks), then each shard is all-reduced
+*across* the groups, among the n ranks that hold the same shard (``r % g`` equal), and divided
+by N: the mean over every rank, as in FSDP. Traffic per rank and step, S bytes of parameters:
+
+* inside the group: two all-gathers and a reduce-scatter, 2(g-1)/g·S + (g-1)/g·S;
+* across the groups: an all-reduce of S/g, 2(n-1)/n·S/g (n·g = N ranks send 2(n-1)·S in all,
+  where a flat FSDP ring over N ranks sends n·3(N-1)/N·S over the n links between groups).
+
+Memory: 1/g of the parameters, the gradients and the optimizer state (plus the padding to a
+multiple of g), where FSDP holds 1/N. ``shard_size=None`` (or N) is FSDP; ``shard_size=1``
+replicates everything, like DDP (no all-gather, the gradient all-reduced across all N).
 """
 
 from __future__ import annotations
@@ -276,6 +294,78 @@ def _reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
     return _Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
 
 
+def check_shard_size(shard_size: int | None, world_size: int) -> int:
+    """``shard_size`` as an int (None: ``world_size``, plain FSDP), or a ValueError that says
+    what to pick: it must divide the world size."""
+    if shard_size is None:
+        return world_size
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 \
+            or world_size % shard_size:
+        raise ValueError(
+            f"shard_size must be a positive int that divides the world size: {world_size} "
+            f"rank(s) cannot be cut into groups of {shard_size!r}. Pick one of "
+            f"{', '.join(map(str, divisors))} (e.g. the number of GPUs per node), or None to "
+            f"shard over all {world_size} rank(s).")
+    return shard_size
+
+
+def hybrid_layout(world_size: int, shard_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(shard groups, replicate groups) of HSDP, as lists of ranks (0 .. N-1 of the process
+    group): shard group i is the g consecutive ranks ``[i*g, (i+1)*g)``; replicate group j
+    the n = N/g ranks at position j of their shard group, ``[j, j+g, j+2g, ...]``. Rank r is
+    in shard group ``r // g`` and replicate group ``r % g``."""
+    g = check_shard_size(shard_size, world_size)
+    shard = [list(range(i * g, (i + 1) * g)) for i in range(world_size // g)]
+    replicate = [list(range(j, world_size, g)) for j in range(g)]
+    return shard, replicate
+
+
+@dataclass(frozen=True)
+class HybridGroups:
+    """This rank's two process groups under HSDP, and the ranks (of the wrapped process
+    group) in each."""
+
+    shard: dist.ProcessGroup | None
+    """The g ranks that together hold one copy of the parameters: all-gathers and
+    reduce-scatters run here. None: the whole process group (``shard_size`` = N)."""
+    replicate: dist.ProcessGroup | None
+    """The n = N/g ranks that hold the same shard: the gradient shard's all-reduce runs here.
+    None when there is one group (``shard_size`` = N): nothing to all-reduce."""
+    shard_ranks: tuple[int, ...]
+    replicate_ranks: tuple[int, ...]
+
+
+def hybrid_groups(shard_size: int, process_group: dist.ProcessGroup | None = None
+                  ) -> HybridGroups:
+    """Create HSDP's sub-groups (:func:`hybrid_layout`) and return this rank's.
+
+    ``dist.new_group`` must be called by every rank of the default group for every new group,
+    in the same order, members or not: all shard groups first, then all replicate groups.
+    With ``shard_size`` = N nothing is created. ``process_group``, if given, must hold every
+    rank (a sub-group's outsiders would not make the calls)."""
+    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    g = check_shard_size(shard_size, world_size)
+    shard_layout, replicate_layout = hybrid_layout(world_size, g)
+    mine_shard, mine_replicate = shard_layout[rank // g], replicate_layout[rank % g]
+    if g == world_size:
+        return HybridGroups(process_group, None, tuple(mine_shard), tuple(mine_replicate))
+    if process_group is not None and world_size != dist.get_world_size():
+        raise ValueError(
+            f"shard_size={g} with a process_group of {world_size} of the "
+            f"{dist.get_world_size()} ranks: HSDP's sub-groups are made by every rank, so pass "
+            "a process group of all ranks (or none), or shard_size=None.")
+
+    def to_global(ranks: list[int]) -> list[int]:
+        return [dist.get_global_rank(process_group, r) if process_group else r for r in ranks]
+
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in [*shard_layout, *replicate_layout]:  # the same order on every rank
+        made[tuple(ranks)] = dist.new_group(to_global(ranks))
+    return HybridGroups(made[tuple(mine_shard)], made[tuple(mine_replicate)],
+                        tuple(mine_shard), tuple(mine_replicate))
+
+
 #: Containers that hold modules but are never called: their parent's forward calls the
 #: modules inside, so forward hooks on the container itself never fire.
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
@@ -360,6 +450,16 @@ class FSDP(nn.Module):
             see :func:`_reduce_scatter_from`.) ``Algorithm.RING``: chapters 3 and 4's ring
             for everything, one collective at a time, every byte counted by ``recorder``.
         recorder: counts the bytes this rank sends (with ``Algorithm.RING``).
+        shard_size: HSDP (see the module docstring): shard inside groups of this many
+            consecutive ranks, replicate across the groups. None (default): shard over every
+            rank (plain FSDP, the same as N); 1: replicate everything, like DDP. It must
+            divide the world size. Under HSDP :attr:`rank`, :attr:`world_size` and
+            :attr:`group` stay those of the whole process group (the gradient is the mean
+            over all N); :attr:`shard_rank`, :attr:`shard_size`, :attr:`shard_group` and
+            :attr:`replicate_group` describe the sharding.
+        replicate_recorder: with ``Algorithm.RING`` and ``shard_size``, counts the bytes of
+            the all-reduces across groups (between nodes); ``recorder`` then counts those
+            inside a group only. None: ``recorder`` counts both.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
@@ -369,7 +469,9 @@ class FSDP(nn.Module):
                  collectives: Algorithm = Algorithm.TORCH,
                  process_group: dist.ProcessGroup | None = None,
                  observer: Callable[[Event, str], None] | None = None,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None,
+                 shard_size: int | None = None,
+                 replicate_recorder: Recorder | None = None) -> None:
         super().__init__()
         if collectives not in (Algorithm.TORCH, Algorithm.RING):
             raise ValueError(f"collectives must be Algorithm.TORCH (torch.distributed's, "
@@ -380,19 +482,35 @@ class FSDP(nn.Module):
                                           and dtype.is_floating_point):
                 raise ValueError(f"{name} must be None or a floating-point torch.dtype (e.g. "
                                  f"torch.bfloat16), got {dtype!r}.")
-        if recorder is not None and collectives is not Algorithm.RING:
+        if (recorder is not None or replicate_recorder is not None) \
+                and collectives is not Algorithm.RING:
             raise ValueError("a Recorder counts the ring's messages: pass "
                              "collectives=Algorithm.RING with it.")
         self.module = module
         self.collectives = collectives
         self.group = process_group
-        self._ring_reduce = collectives is Algorithm.RING
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        # Refused here, before any collective: a rank that raised later would leave the
+        # others waiting in a broadcast.
+        self.shard_size = check_shard_size(shard_size, self.world_size)
+        #: This rank's position in its shard group: the shard it holds.
+        self.shard_rank = self.rank % self.shard_size
+        #: N / shard_size: how many copies of each shard exist (1 for FSDP).
+        self.replicas = self.world_size // self.shard_size
+        groups = hybrid_groups(self.shard_size, process_group)
+        #: Where the all-gathers and reduce-scatters run (``group`` for plain FSDP).
+        self.shard_group = groups.shard
+        #: Where the gradient shards are all-reduced; None for plain FSDP.
+        self.replicate_group = groups.replicate
+        # A group of one has nothing to gather or reduce-scatter: the ring's functions copy
+        # (gloo's reduce_scatter_tensor is not there on every torch version).
+        self._ring_reduce = collectives is Algorithm.RING or self.shard_size == 1
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.observer = observer
         self.recorder = recorder
+        self.replicate_recorder = recorder if replicate_recorder is None else replicate_recorder
         chosen = _checked_units(module, units) if units is not None else default_units(module)
         with torch.no_grad():
             root = dist.get_global_rank(process_group, 0) if process_group else 0
@@ -472,14 +590,15 @@ class FSDP(nn.Module):
         for shape in shapes:
             offsets.append(total)
             total += shape.numel()
-        k = shard_numel(total, self.world_size)
-        flat = torch.zeros(k * self.world_size, dtype=torch.float32)  # the padded vector
+        k = shard_numel(total, self.shard_size)
+        flat = torch.zeros(k * self.shard_size, dtype=torch.float32)  # the padded vector
         for key, offset in zip(keys, offsets, strict=True):
             flat[offset:offset + params[key].numel()] = params[key].detach().reshape(-1)
         device = params[keys[0]].device
-        shard = nn.Parameter(flat[self.rank * k:(self.rank + 1) * k].clone().to(device))
+        shard = nn.Parameter(flat[self.shard_rank * k:(self.shard_rank + 1) * k].clone()
+                             .to(device))
         dtype = self.compute_dtype or torch.float32
-        full = torch.empty(k * self.world_size, dtype=dtype, device=device, requires_grad=True)
+        full = torch.empty(k * self.shard_size, dtype=dtype, device=device, requires_grad=True)
         full.untyped_storage().resize_(0)  # SHARDED: nothing held beyond the shard
         for key in keys:
             for place in places[key]:
@@ -505,10 +624,11 @@ class FSDP(nn.Module):
             shard = unit.shard.detach().to(full.dtype)
             # Into .data: the version counter autograd checks is not bumped, so the views it
             # saved in forward are valid in backward once the storage is filled again.
-            if self.collectives is Algorithm.RING:
-                ring_all_gather(shard, group=self.group, recorder=self.recorder, out=full.data)
+            if self.collectives is Algorithm.RING or self.shard_size == 1:
+                ring_all_gather(shard, group=self.shard_group, recorder=self.recorder,
+                                out=full.data)
             else:
-                unit.gather = _all_gather_into(full.data, shard, self.group)
+                unit.gather = _all_gather_into(full.data, shard, self.shard_group)
             unit.state = ShardedState.GATHERING
         if unit.state is ShardedState.GATHERING and not prefetch:
             if unit.gather is not None:
@@ -597,12 +717,12 @@ class FSDP(nn.Module):
         self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
         unit.full.grad = None
         if self._ring_reduce:
-            mine = ring_reduce_scatter(full_grad, group=self.group, recorder=self.recorder)
-            self._add_grad(unit, mine)
+            mine = ring_reduce_scatter(full_grad, group=self.shard_group, recorder=self.recorder)
+            self._add_grad(unit, self._all_reduce_across(mine))
         else:
             for other in self.units:  # one reduce-scatter in flight: bounded memory
                 self._land_reduce(other)
-            unit.reduce = _reduce_scatter_from(full_grad, self.world_size, self.group)
+            unit.reduce = _reduce_scatter_from(full_grad, self.shard_size, self.shard_group)
         unit.backward_pending = False
         self.reshard(unit)
         self._notify(Event.RESHARD_BACKWARD, unit)
@@ -611,10 +731,24 @@ class FSDP(nn.Module):
         if unit.reduce is not None:
             summed = unit.reduce.land()
             unit.reduce = None
-            self._add_grad(unit, summed)
+            self._add_grad(unit, self._all_reduce_across(summed))
+
+    def _all_reduce_across(self, group_sum: torch.Tensor) -> torch.Tensor:
+        """HSDP: sum this rank's shard of its group's gradient over the n groups, in place
+        (among the ranks that hold the same shard): 2(n-1)/n·S/g bytes sent by the ring.
+        Plain FSDP (one group): nothing to do. With torch collectives it runs when the
+        group's reduce-scatter lands, blocking: only the reduce-scatter overlaps backward."""
+        if self.replicate_group is None:
+            return group_sum
+        if self.collectives is Algorithm.RING:
+            return ring_all_reduce(group_sum, group=self.replicate_group,
+                                   recorder=self.replicate_recorder)
+        dist.all_reduce(group_sum, group=self.replicate_group)
+        return group_sum
 
     def _add_grad(self, unit: FlatUnit, summed: torch.Tensor) -> None:
-        """Add shard r of the sum over ranks, divided by N, to the shard's fp32 gradient."""
+        """Add shard r of the sum over ranks, divided by N, to the shard's fp32 gradient
+        (under HSDP, the sum over all N ranks: every group's, after the all-reduce across)."""
         mine = summed.to(torch.float32) / self.world_size  # 1-D, shard numel
         if unit.shard.grad is None:
             unit.shard.grad = mine
@@ -654,7 +788,12 @@ class FSDP(nn.Module):
         rank scales its shards by the same factor min(1, max_norm / (norm + 1e-6)).
         Clipping each shard by its own norm would scale every rank by a different factor,
         and the step would no longer be the one-process step. Call it after
-        :meth:`finish_gradient_synchronization` (the reduce-scatters must have landed)."""
+        :meth:`finish_gradient_synchronization` (the reduce-scatters must have landed).
+
+        Under HSDP the sum runs over one shard group only: the g shards of a group make up
+        the whole gradient once, and every other group holds the same shards (after the
+        all-reduce across groups), so summing over all N ranks would count each element
+        N/g times and give sqrt(N/g) times the norm."""
         if not max_norm > 0:  # inf allowed: the norm alone, nothing scaled
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}; e.g. 1.0.")
         if not (norm_type == math.inf or norm_type > 0):
@@ -672,9 +811,9 @@ class FSDP(nn.Module):
                         torch.zeros((), device=device)).reshape(1)
             op = dist.ReduceOp.SUM
         if self.collectives is Algorithm.RING:
-            local = ring_all_reduce(local, op, group=self.group, recorder=self.recorder)
+            local = ring_all_reduce(local, op, group=self.shard_group, recorder=self.recorder)
         else:
-            dist.all_reduce(local, op, group=self.group)
+            dist.all_reduce(local, op, group=self.shard_group)
         total = local[0] if norm_type == math.inf else local[0].pow(1.0 / norm_type)
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -700,10 +839,11 @@ class FSDP(nn.Module):
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """The model's full state dict on every rank (fp32 parameters all-gathered from the
-        shards, frozen parameters and buffers as they are), by the original names."""
+        shards, inside the shard group under HSDP; frozen parameters and buffers as they are),
+        by the original names."""
         state: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = ring_all_gather(unit.shard.detach(), group=self.group)  # fp32, padded
+            flat = ring_all_gather(unit.shard.detach(), group=self.shard_group)  # fp32, padded
             for names, shape, offset in zip(unit.names, unit.shapes, unit.offsets, strict=True):
                 value = flat[offset:offset + shape.numel()].view(shape).clone()
                 for name in names:  # a tied parameter under each of its names, like state_dict

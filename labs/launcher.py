@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from labs import link as emulated
-from labs.link import Link
+from labs.link import Link, Topology
 from labs.rank_errors import (
     LaunchTimeout,
     RankError,
@@ -151,7 +151,7 @@ class _RankSpec:
     stdout_path: str
     stderr_path: str
     stack_path: str  #: where faulthandler writes the stack when the launcher asks (timeout)
-    link: Link | None = None  #: the emulated wire of labs' point-to-point messages
+    link: Link | Topology | None = None  #: the emulated wire of labs' point-to-point messages
 
 
 def launch(
@@ -165,7 +165,7 @@ def launch(
     threads: int | None = None,
     start_method: StartMethod = StartMethod.FORKSERVER,
     failure_grace: float = _FAILURE_GRACE_S,
-    link: Link | None = None,
+    link: Link | Topology | None = None,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
 
@@ -186,8 +186,10 @@ def launch(
             Default: the machine's cores divided by ``world_size``, at least 1, so that N ranks
             computing at once do not oversubscribe the cores.
         start_method: how rank processes are created; keep the default.
-        link: an emulated network (:class:`labs.link.Link`) for the messages of labs'
-            point-to-point layer; None (default) sends them over the real transport.
+        link: an emulated network (:class:`labs.link.Link`, or a
+            :class:`labs.link.Topology` of nodes, whose ``node_size`` must divide
+            ``world_size``) for the messages of labs' point-to-point layer; None (default)
+            sends them over the real transport.
         failure_grace: seconds to wait, once a rank has failed, for the others to report
             (or fail) before the rest are stopped. The exercise checks wait longer, so that
             ranks failing the same way on a busy machine are all seen and their verdict
@@ -209,8 +211,11 @@ def launch(
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int (or None for cores / world_size), "
                          f"got {threads!r}.")
-    if link is not None and not isinstance(link, Link):
-        raise TypeError(f"link must be a labs.Link (or None), got {type(link).__name__}.")
+    if link is not None and not isinstance(link, (Link, Topology)):
+        raise TypeError(f"link must be a labs.Link or labs.Topology (or None), got "
+                        f"{type(link).__name__}.")
+    if isinstance(link, Topology):
+        link.check(world_size)
     if link is not None and chosen is not Backend.GLOO:
         raise ValueError("the emulated link runs on gloo (ranks on one machine, one clock): "
                          "pass backend='gloo' with link=.")
@@ -382,7 +387,7 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
     try:
         torch.set_num_threads(spec.threads)
         fn, args = unpack_call(payload)
-        emulated.use(spec.link)
+        emulated.use(spec.link, spec.rank)
         _join_group(spec)
         value = fn(spec.rank, spec.world_size, *args)
         message: tuple[str, Any] = ("ok", pack_result(value))

@@ -40,6 +40,10 @@ class CommStats:
     bytes_sent: int = 0
     messages_received: int = 0
     bytes_received: int = 0
+    #: Of ``bytes_sent``, those sent to a rank on another node (counted when the recorder knows
+    #: the nodes: its ``node_size``, or the launch's :class:`labs.link.Topology`).
+    bytes_sent_across_nodes: int = 0
+    messages_sent_across_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,11 +64,31 @@ class RingStep:
 class Recorder:
     """Pass one to a collective to count its messages and bytes (always) and, with
     ``trace=True``, to record every ring step with its values (forces the unpipelined ring,
-    so one step is one message; meant for tensors of a few elements)."""
+    so one step is one message; meant for tensors of a few elements).
+
+    ``node_size`` (global rank r on node r // node_size) also splits out the bytes sent across
+    nodes; without it the launch's :class:`labs.link.Topology`, if it has one, says where the
+    nodes are. Only messages whose destination is known are split: those of :class:`Peers`
+    (lock-step rings, ``segment_bytes=None``, and every non-ring collective)."""
 
     trace: bool = False
     stats: CommStats = field(default_factory=CommStats)
     steps: list[RingStep] = field(default_factory=list)
+    node_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.node_size is not None and (isinstance(self.node_size, bool)
+                                           or not isinstance(self.node_size, int)
+                                           or self.node_size < 1):
+            raise ValueError(f"Recorder node_size must be an int >= 1 or None, got "
+                             f"{self.node_size!r}.")
+
+    def nodes_known(self) -> int | None:
+        """The node size this recorder splits traffic by, or None."""
+        if self.node_size is not None:
+            return self.node_size
+        wire = link.active()
+        return wire.node_size if isinstance(wire, link.Topology) else None
 
 
 @dataclass
@@ -120,14 +144,20 @@ class Peers:
         group_rank %= self.size
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def count(self, tensor: torch.Tensor, *, sent: bool) -> None:
-        """Add one message of ``tensor`` to the recorder's stats, if there is a recorder."""
+    def count(self, tensor: torch.Tensor, *, sent: bool, peer: int | None = None) -> None:
+        """Add one message of ``tensor`` to the recorder's stats, if there is a recorder;
+        ``peer`` (the destination's global rank) lets a send be counted as crossing nodes."""
         if self.recorder is None:
             return
         stats, nbytes = self.recorder.stats, tensor.numel() * tensor.element_size()
         if sent:
             stats.messages_sent += 1
             stats.bytes_sent += nbytes
+            node_size = self.recorder.nodes_known() if peer is not None else None
+            if node_size is not None and peer is not None \
+                    and peer // node_size != dist.get_rank() // node_size:
+                stats.messages_sent_across_nodes += 1
+                stats.bytes_sent_across_nodes += nbytes
         else:
             stats.messages_received += 1
             stats.bytes_received += nbytes
@@ -135,11 +165,11 @@ class Peers:
     def isend(self, tensor: torch.Tensor, to: int, tag: int = 0) -> Work:
         """Post a send of ``tensor`` to group rank ``to`` (on the emulated link, if the
         launch has one: :mod:`labs.link`)."""
-        self.count(tensor, sent=True)
         dst = self.global_rank(to)
+        self.count(tensor, sent=True, peer=dst)
         if link.active() is not None:
             return link.send(lambda wire: dist.isend(wire, dst, group=self.group, tag=tag),
-                             tensor)
+                             tensor, dst)
         return dist.isend(tensor, dst, group=self.group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Work:
@@ -148,7 +178,7 @@ class Peers:
         src = self.global_rank(source)
         if link.active() is not None:
             return link.recv(lambda wire: dist.irecv(wire, src, group=self.group, tag=tag),
-                             tensor)
+                             tensor, src)
         return dist.irecv(tensor, src, group=self.group, tag=tag)
 
     def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
@@ -167,7 +197,7 @@ class Peers:
                 work.wait()
             return
         if sending:
-            self.count(send, sent=True)
+            self.count(send, sent=True, peer=self.global_rank(to))
         if receiving:
             self.count(recv, sent=False)
         if backend_for_device(self.backend, send.device.type) == "gloo":

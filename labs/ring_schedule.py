@@ -321,9 +321,13 @@ def execute(program: Program, peers: Peers | None = None) -> None:
     send, recv, right, left = group.send, group.recv, program.right, program.left
     wait, add, post_send = OpKind.WAIT, OpKind.ADD, OpKind.SEND
     counted = peers if peers is not None and peers.recorder is not None else None
+    # The neighbours' global ranks: a Topology prices (and a Recorder counts) a message by
+    # whether it leaves the node, which only the global ranks say.
+    right_global = dist.get_global_rank(group, right) if group is not dist.group.WORLD else right
+    left_global = dist.get_global_rank(group, left) if group is not dist.group.WORLD else left
     if link.active() is not None:  # every message through the emulated wire's ports
-        send = _on_link(link.send, send)
-        recv = _on_link(link.recv, recv)
+        send = _on_link(link.send, send, right_global)
+        recv = _on_link(link.recv, recv, left_global)
     for kind, handle, tensor, tag, addend, out in program.instructions:
         if kind is wait:
             works[handle].wait()
@@ -334,16 +338,20 @@ def execute(program: Program, peers: Peers | None = None) -> None:
                 torch.add(addend, tensor, out=out)
         else:
             if counted is not None:
-                counted.count(tensor, sent=kind is post_send)
+                sent = kind is post_send
+                counted.count(tensor, sent=sent, peer=right_global if sent else None)
             if kind is post_send:
                 works[handle] = send([tensor], right, tag)
             else:
                 works[handle] = recv([tensor], left, tag)
 
 
-def _on_link(through: Callable[..., Any], post: Callable[..., Work]) -> Callable[..., Any]:
-    """``post`` (a process group's ``send`` or ``recv``) with its message put on the link."""
-    return lambda tensors, peer, tag: through(lambda wire: post([wire], peer, tag), tensors[0])
+def _on_link(through: Callable[..., Any], post: Callable[..., Work], peer_global: int
+             ) -> Callable[..., Any]:
+    """``post`` (a process group's ``send`` or ``recv``) with its message put on the link;
+    ``peer_global`` is the other end's global rank (a Topology prices by it)."""
+    return lambda tensors, peer, tag: through(lambda wire: post([wire], peer, tag), tensors[0],
+                                              peer_global)
 
 
 def run_ring(

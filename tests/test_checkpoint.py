@@ -42,6 +42,7 @@ from labs.experiments.checkpoints import (
     train_step,
 )
 from labs.fsdp import FSDP
+from labs.models import TiedNet
 from labs.zero import shard_numel
 
 SETTINGS = CheckpointSettings()  # TiedNet 11 x 6: units of 42 and 66 elements; saved on 4
@@ -391,3 +392,16 @@ def test_dcp_side_by_side_says_why_where_this_torch_cannot(tmp_path, refuse_proc
     with refuse_processes():
         result = dcp_side_by_side(SETTINGS, tmp_path / "dcp", load_world_size=2)
     assert result.skipped == DCP_WHY and result.mismatches() == []
+
+
+def hybrid_worker(rank: int, world_size: int, path: str) -> bool:
+    model = FSDP(TiedNet(11, 6, 0), shard_size=2)
+    try:
+        save(path, model, torch.optim.Adam(model.parameters()))
+    except CheckpointError as err:
+        return err.problem is Problem.HYBRID and "shard_size=None" in str(err)
+    return False
+
+
+def test_an_hsdp_model_is_refused_on_every_rank_not_saved_wrong(tmp_path):
+    assert launch(hybrid_worker, 4, args=(str(tmp_path / "c"),), echo=False) == [True] * 4

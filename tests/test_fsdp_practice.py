@@ -192,3 +192,10 @@ def test_an_fp32_buffer_before_a_unit_does_not_stop_bf16_compute():
     bf16; the buffer stays as it is."""
     for got in launch(buffer_worker, 2, echo=False):
         assert got == (torch.bfloat16, torch.bfloat16, torch.float32)
+
+
+def test_the_chapters_fsdp_checkpointing_comparison_reports_a_rerun_and_equal_gradients():
+    from labs.experiments.activations import ActivationSettings, fsdp_checkpointing_worker
+    settings = ActivationSettings(batch=4, seq_len=8, d_model=16, n_heads=2, n_layers=3)
+    for got in launch(fsdp_checkpointing_worker, 2, args=(settings,), echo=False):
+        assert got.same_gradients and got.forwards == (3, 6)

@@ -7,6 +7,7 @@
         [--out _build/bench/collectives.csv] [--plot PATH.png]
     python -m labs.bench ddp [--world-size 2] [--bucket-cap-mb 25] [--launches 3] (see --help)
     python -m labs.bench fsdp [--memory-world-size 4] [--time-world-size 2] (see --help)
+    python -m labs.bench topology [--nodes 2 4 8] [--node-size 2] [--size 16M] (see --help)
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a
 fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 from labs.bench.collectives import add_collectives_parser, collectives_main
 from labs.bench.ddp import add_ddp_parser, ddp_main
 from labs.bench.fsdp import add_fsdp_parser, fsdp_main
+from labs.bench.topology import add_topology_parser, topology_main
 from labs.launcher import StartMethod, launch
 from labs.tables import format_table
 
@@ -92,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_collectives_parser(sub)
     add_ddp_parser(sub)
     add_fsdp_parser(sub)
+    add_topology_parser(sub)
     opts = parser.parse_args(argv)
     if opts.bench == "launch":
         print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
@@ -99,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ddp_main(opts, sub.choices["ddp"])
     elif opts.bench == "fsdp":
         fsdp_main(opts, sub.choices["fsdp"])
+    elif opts.bench == "topology":
+        topology_main(opts, sub.choices["topology"])
     else:
         collectives_main(opts, sub.choices["collectives"])
 

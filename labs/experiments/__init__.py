@@ -11,5 +11,15 @@ notebook turns into tables (:mod:`labs.tables`) and figures (:mod:`labs.viz`).
 * :mod:`labs.experiments.ddp` - chapter 5: step times, backward timelines, accumulation, the
   sampler; :mod:`labs.experiments.pitfalls` - chapter 5's pitfalls, each run on real ranks;
 * :mod:`labs.experiments.zero` - chapter 6: memory and traffic per ZeRO stage, bytes per
-  parameter.
+  parameter;
+* chapter 7: :mod:`labs.experiments.activations` (the chapter's models, checkpointing bytes
+  and time), :mod:`labs.experiments.precision` (bf16 bytes and peaks, the scalers with one
+  rank overflowing, ``fully_shard`` side by side), :mod:`labs.experiments.accumulation`
+  (``no_sync`` against sharded accumulation), :mod:`labs.experiments.clipping`,
+  :mod:`labs.experiments.checkpoints` (save on N, load on W; torch dcp) and
+  :mod:`labs.experiments.recipe` (the whole recipe, its memory budget; ``python -m labs
+  fsdp``);
+* :mod:`labs.experiments.mesh` - chapter 8: process groups and 2-D meshes (``new_group``
+  against ``init_device_mesh``, DTensor placements) and tensor parallelism of the MLP
+  against one process.
 """

@@ -21,6 +21,7 @@ from labs.activations import (
     recomputed_modules,
 )
 from labs.experiments.ddp import StepSettings, mlp
+from labs.fsdp import FSDP
 from labs.train import CHARS, TinyTransformer
 
 # --- the chapter's transformer -------------------------------------------------------------------
@@ -160,3 +161,36 @@ def measure_checkpointing(settings: ActivationSettings = CHAPTER_MODEL,
             checkpointing=c), tuple(t), len(recomputed_modules(w)))
         for c, w, t in zip((False, True), (plain, checkpointed), times, strict=True))
     return without, with_
+
+
+@dataclass(frozen=True)
+class FsdpCheckpointing:
+    """One rank's comparison of FSDP with and without ``activation_checkpointing``."""
+
+    rank: int
+    same_gradients: bool  #: every shard's gradient bit-identical
+    forwards: tuple[int, int]  #: MLP forwards run in one step: without, with checkpointing
+
+
+def fsdp_checkpointing_worker(rank: int, world_size: int,
+                              settings: ActivationSettings) -> FsdpCheckpointing:
+    """The settings' transformer under ``FSDP(units=blocks)``, this rank's share of the
+    batch, one backward with and one without ``activation_checkpointing``: the shards'
+    gradients, and how many times the blocks' MLPs ran forward (once each, or twice with
+    checkpointing: the rerun in backward)."""
+    grads, forwards = [], []
+    for on in (False, True):
+        workload = settings.workload()
+        model = workload.model
+        calls = [0]
+        for block in model.blocks:  # on the MLP inside: a hook on the block itself runs
+            # around its call, once, while the rerun in backward calls its forward directly
+            block.mlp.register_forward_pre_hook(lambda *_a, c=calls: c.__setitem__(0, c[0] + 1))
+        wrapped = FSDP(model, units=list(model.blocks), activation_checkpointing=on)
+        ids, targets = (t[rank::world_size] for t in workload.batch)
+        lm_loss(wrapped, ids, targets).backward()
+        wrapped.finish_gradient_synchronization()
+        grads.append([u.shard.grad for u in wrapped.units])
+        forwards.append(calls[0])
+    same = all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    return FsdpCheckpointing(rank, same, (forwards[0], forwards[1]))

@@ -6,5 +6,8 @@
 * :mod:`labs.viz.memory` - chapters 3 and 4: what a rank holds, moment by moment (its table
   and figure), and what a block of code allocated;
 * :mod:`labs.viz.zero` - chapter 6: memory per stage, the memory calculator;
+* :mod:`labs.viz.activations` and :mod:`labs.viz.recipe` - chapter 7: activation bytes per
+  layer, the recipe's loss curves and memory budget;
+* :mod:`labs.viz.mesh` - chapter 8: the mesh's ranks and groups, drawn;
 * :mod:`labs.viz.widgets` - every chapter's widget panel.
 """
