@@ -11,24 +11,43 @@ HSDP runs its all-gathers and reduce-scatters on the shard group (consecutive ra
 and its all-reduce on the replicate group (one rank per group: across), each counted by its
 own recorder (``FSDP(recorder=..., replicate_recorder=...)``).
 
+**On the emulated topology** (:class:`HsdpLinkSettings`, :func:`measure_hsdp_on_topology`):
+one Adam step of the same MLP per strategy, every message of labs' ring over a
+:class:`labs.Topology` whose nodes are the groups (``node_size = shard_size``): the step time
+(median of the slowest rank over a few steps, and its range) and the bytes each rank sends to
+other nodes (``Recorder(node_size=g)``), beside their exact closed forms
+(:func:`expected_across_per_rank`).
+
+**torch's HSDP** (:func:`compare_fully_shard_hsdp`): ``fully_shard`` on a 2-D
+``("replicate", "shard")`` mesh beside ``FSDP(shard_size=g)``, same model and batch.
+
 Every ``*_worker`` runs inside a rank; ranks import this module, so it imports no plotting.
 """
 
 from __future__ import annotations
 
 import enum
+import statistics
+import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from labs.collectives import Algorithm, Recorder, ring_all_reduce
+from labs.collectives import Algorithm, Recorder, ring_all_reduce, shard_bounds
+from labs.cost_model import TopologyAlgorithm, bytes_across_nodes
 from labs.ddp import DDP
 from labs.experiments.ddp import StepSettings, mlp
+from labs.experiments.mesh import device_mesh_available
 from labs.experiments.zero import Group, holdings
 from labs.fsdp import FSDP, check_shard_size
+from labs.fsdp_torch import apply_fully_shard, fully_shard_available
 from labs.launcher import launch, rank_device
+from labs.link import Link, Topology
 from labs.memory import MemoryTimeline
 from labs.tables import format_table
 from labs.wrappers import Wrapper
@@ -257,3 +276,305 @@ def hsdp_table(rows: Sequence[HsdpRow]) -> str:
              r.inside, round(r.expected_inside), r.across, round(r.expected_across),
              r.across_max] for r in rows]
     return format_table(header, body)
+
+
+# --- step time and bytes across nodes on the emulated topology ---------------------------------
+
+
+@dataclass(frozen=True)
+class HsdpLinkSettings:
+    """One step of each strategy on an emulated :class:`labs.Topology` whose nodes are the
+    HSDP groups (``node_size = model.shard_size``): ``warmup`` untimed steps, then
+    ``model.steps`` timed ones.
+
+    The defaults make bandwidth, not latency, the cost: an MLP of 4 Linear(256, 256) layers
+    (S = 1.05 MB of fp32 parameters) on 2 nodes of 2, 50 MB/s inside a node and 5 MB/s
+    between nodes (1 ms latency on both); a step takes a few tenths of a second."""
+
+    model: HsdpSettings = HsdpSettings(width=256, layers=4, batch=8, steps=3)
+    intra: Link = Link(alpha=1e-3, bandwidth=50e6)
+    inter: Link = Link(alpha=1e-3, bandwidth=5e6)
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, HsdpSettings):
+            raise TypeError(f"model must be an HsdpSettings, got {type(self.model).__name__}.")
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise TypeError(f"{name} must be a labs.Link, got "
+                                f"{type(getattr(self, name)).__name__}; e.g. "
+                                f"{name}=Link(alpha=1e-3, bandwidth=5e6).")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (untimed steps), got {self.warmup!r}.")
+
+    @property
+    def topology(self) -> Topology:
+        """Nodes of ``shard_size`` ranks: HSDP's shard groups are the nodes."""
+        return Topology(self.model.shard_size, self.intra, self.inter)
+
+
+#: The chapter's setting: 4 ranks in 2 nodes of 2, the inter-node link 10x slower.
+LINK_SETTINGS = HsdpLinkSettings()
+
+
+@dataclass(frozen=True)
+class StepOnLink:
+    """One rank's timed steps of one strategy on the topology."""
+
+    strategy: Strategy
+    rank: int
+    seconds: list[float]  #: per timed step, from a barrier to after optimizer.step()
+    sent: list[int]  #: per timed step, bytes this rank sent
+    across: list[int]  #: per timed step, of ``sent``, the bytes sent to other nodes
+    losses: list[float]  #: per timed step, this rank's loss
+
+
+def _unit_numels(settings: HsdpSettings) -> list[int]:
+    """Trainable elements of each FSDP unit of the MLP (one per Linear; the root holds
+    none), in the order FSDP builds them."""
+    net = mlp(settings.step_settings)
+    return [sum(p.numel() for p in m.parameters()) for m in net.children()
+            if any(True for _ in m.parameters())]
+
+
+def _sizes(total: int, parts: int) -> list[int]:
+    bounds = shard_bounds(total, parts)
+    return [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+
+def expected_across_per_rank(strategy: Strategy, settings: HsdpSettings) -> list[int]:
+    """Exact bytes each rank sends to other nodes in one step (nodes = groups of g
+    consecutive ranks, n = N/g of them), fp32, index = global rank:
+
+    * DDP, one flat ring all-reduce of the P gradients over N ranks: only a node's last rank
+      sends across, ``2S - c_r - c_(r+1)`` (about 2(N-1)/N·S;
+      :func:`labs.cost_model.bytes_across_nodes`);
+    * FSDP, per unit of padded size P_u (a multiple of N) two all-gathers and a
+      reduce-scatter over the flat ring of N: a node's last rank sends 3(N-1)·P_u/N·4 bytes,
+      the others none;
+    * HSDP, per unit of shard k = P_u/g: the all-reduce across the n nodes among the ranks
+      holding that shard, ``2k - d_j - d_(j+1)`` elements (d: the shard cut into n chunks,
+      j = r // g), about 2(n-1)/n·S/g on *every* rank; the gathers and reduce-scatters stay
+      inside the node."""
+    n_ranks, g = settings.world_size, settings.shard_size
+    n = n_ranks // g
+    numels = _unit_numels(settings)
+    if n == 1:
+        return [0] * n_ranks
+    if strategy is Strategy.DDP:
+        return bytes_across_nodes(TopologyAlgorithm.FLAT_RING, sum(numels), 4, n_ranks, g)
+    out = [0] * n_ranks
+    for numel in numels:
+        if strategy is Strategy.FSDP:
+            padded = -(-numel // n_ranks) * n_ranks
+            for r in range(g - 1, n_ranks, g):
+                out[r] += 3 * (n_ranks - 1) * (padded // n_ranks) * 4
+        else:
+            shard = -(-numel // g)
+            chunks = _sizes(shard, n)
+            for r in range(n_ranks):
+                j = r // g
+                out[r] += (2 * shard - chunks[j] - chunks[(j + 1) % n]) * 4
+    return out
+
+
+def _ddp_step(net: nn.Module, recorder: Recorder, world_size: int) -> None:
+    """DDP's gradient synchronisation with labs' lock-step ring (every message over the
+    link, counted): all-reduce the flattened gradients, divide by N, put them back."""
+    grads = [p.grad for p in net.parameters() if p.grad is not None]
+    flat = torch.cat([gr.reshape(-1) for gr in grads])  # 1-D float32, P elements
+    ring_all_reduce(flat, recorder=recorder, segment_bytes=None)
+    flat /= world_size
+    offset = 0
+    for gr in grads:
+        gr.copy_(flat[offset:offset + gr.numel()].view_as(gr))
+        offset += gr.numel()
+
+
+def hsdp_step_worker(rank: int, world_size: int, settings: HsdpLinkSettings
+                     ) -> list[StepOnLink]:
+    """Worker (launch it with ``link=settings.topology``): for each strategy, Adam steps of
+    the MLP on this rank's batch, every collective labs' ring, counted by a
+    ``Recorder(node_size=g)``; per timed step the seconds from a barrier, the bytes sent and
+    those sent to other nodes, and the loss."""
+    model_settings = settings.model
+    if world_size != model_settings.world_size:
+        raise ValueError(f"launched on {world_size} ranks, settings say "
+                         f"{model_settings.world_size}.")
+    g = model_settings.shard_size
+    x = _batch(rank, model_settings)
+    out = []
+    for strategy in Strategy:
+        recorder = Recorder(node_size=g)
+        net = mlp(model_settings.step_settings).to(rank_device())
+        model: nn.Module = net
+        if strategy is not Strategy.DDP:  # one recorder for inside and across
+            model = FSDP(net, collectives=Algorithm.RING, recorder=recorder,
+                         shard_size=g if strategy is Strategy.HSDP else None)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        seconds, sent, across, losses = [], [], [], []
+        for step in range(settings.warmup + model_settings.steps):
+            before = (recorder.stats.bytes_sent, recorder.stats.bytes_sent_across_nodes)
+            dist.barrier()
+            start = time.monotonic()
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            if isinstance(model, FSDP):
+                model.finish_gradient_synchronization()
+            else:
+                _ddp_step(net, recorder, world_size)
+            optimizer.step()
+            elapsed = time.monotonic() - start
+            if step >= settings.warmup:
+                seconds.append(elapsed)
+                sent.append(recorder.stats.bytes_sent - before[0])
+                across.append(recorder.stats.bytes_sent_across_nodes - before[1])
+                losses.append(loss.item())
+        out.append(StepOnLink(strategy, rank, seconds, sent, across, losses))
+    return out
+
+
+@dataclass(frozen=True)
+class HsdpLinkRow:
+    """One strategy on the topology, over all ranks."""
+
+    strategy: Strategy
+    seconds: list[float]  #: per timed step, the slowest rank's
+    across: list[int]  #: per rank, bytes sent to other nodes in one step (the last one)
+    expected_across: list[int]  #: :func:`expected_across_per_rank`
+    inside: list[int]  #: per rank, bytes sent inside its node in one step
+    losses: list[float]  #: per timed step, the mean loss over ranks
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(fastest, slowest) timed step."""
+        return min(self.seconds), max(self.seconds)
+
+
+def link_rows_from(settings: HsdpLinkSettings, per_rank: Sequence[Sequence[StepOnLink]]
+                   ) -> list[HsdpLinkRow]:
+    """Combine the ranks' :class:`StepOnLink` into one row per strategy."""
+    rows = []
+    for strategy in Strategy:
+        mine = sorted((m for ms in per_rank for m in ms if m.strategy is strategy),
+                      key=lambda m: m.rank)
+        seconds = [max(t) for t in zip(*(m.seconds for m in mine), strict=True)]
+        losses = [statistics.fmean(v) for v in zip(*(m.losses for m in mine), strict=True)]
+        rows.append(HsdpLinkRow(
+            strategy, seconds, [m.across[-1] for m in mine],
+            expected_across_per_rank(strategy, settings.model),
+            [m.sent[-1] - m.across[-1] for m in mine], losses))
+    return rows
+
+
+def measure_hsdp_on_topology(settings: HsdpLinkSettings = LINK_SETTINGS,
+                             timeout: float = 300.0) -> list[HsdpLinkRow]:
+    """One launch of ``settings.model.world_size`` ranks on ``settings.topology``: a row per
+    strategy."""
+    per_rank = launch(hsdp_step_worker, settings.model.world_size, args=(settings,),
+                      link=settings.topology, echo=False, timeout=timeout)
+    return link_rows_from(settings, per_rank)
+
+
+def hsdp_link_table(rows: Sequence[HsdpLinkRow]) -> str:
+    """Step time (median of the slowest rank, and the range) and bytes sent across nodes per
+    step (all ranks, the busiest rank), measured beside the closed form."""
+    header = ["strategy", "step (s)", "range (s)", "across, all ranks (B)", "closed form",
+              "across, max rank (B)", "inside, all ranks (B)"]
+    body = [[r.strategy.value, f"{r.median:.3f}",
+             f"{r.spread[0]:.3f}-{r.spread[1]:.3f}", sum(r.across), sum(r.expected_across),
+             max(r.across), sum(r.inside)] for r in rows]
+    return format_table(header, body)
+
+
+# --- torch's HSDP: fully_shard on a 2-D mesh ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchHsdpResult:
+    """One rank's run of labs' HSDP and torch's, from the same start on the same batch."""
+
+    rank: int
+    labs_losses: list[float]
+    labs_params: dict[str, torch.Tensor]  #: the full parameters after the last step
+    torch_losses: list[float] = field(default_factory=list)
+    torch_params: dict[str, torch.Tensor] = field(default_factory=dict)
+    skipped: str = ""  #: why torch's run did not happen ("" when it did)
+
+
+def fully_shard_hsdp_available(device_type: str = "cpu") -> tuple[bool, str]:
+    """Can this torch run ``fully_shard`` on a named 2-D mesh on ``device_type``? (True,
+    what it uses) or (False, "skipped: ...")."""
+    ok, why = fully_shard_available(device_type)
+    if not ok:
+        return ok, why
+    mesh_ok, mesh_why = device_mesh_available()
+    return (True, why) if mesh_ok else (False, mesh_why)
+
+
+def _hsdp_train(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        finish = getattr(model, "finish_gradient_synchronization", None)
+        if finish is not None:
+            finish()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def torch_hsdp_worker(rank: int, world_size: int, settings: HsdpSettings) -> TorchHsdpResult:
+    """Worker: ``settings.steps`` Adam steps of the MLP on this rank's batch with
+    ``FSDP(shard_size=g)`` (torch collectives), then with ``fully_shard(model,
+    mesh=init_device_mesh(..., (n, g), mesh_dim_names=("replicate", "shard")))``: shard
+    along "shard" (the g ranks of a node), replicate along "replicate". Both average the
+    gradient over all N ranks, so the parameters should agree to rounding."""
+    if world_size != settings.world_size:
+        raise ValueError(f"launched on {world_size} ranks, settings say {settings.world_size}.")
+    x = _batch(rank, settings)
+    device = rank_device()
+    labs_model = FSDP(mlp(settings.step_settings).to(device), shard_size=settings.shard_size)
+    labs_losses = _hsdp_train(labs_model, x, settings.steps)
+    labs_params = labs_model.gather_full_params()
+    ok, why = fully_shard_hsdp_available(device.type)
+    if not ok:
+        return TorchHsdpResult(rank, labs_losses, labs_params, skipped=why)
+    net = mlp(settings.step_settings).to(device)  # the same seed on every rank: same start
+    mesh = init_device_mesh(device.type, (settings.groups, settings.shard_size),
+                            mesh_dim_names=("replicate", "shard"))
+    apply_fully_shard(net, mesh)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        torch_losses = _hsdp_train(net, x, settings.steps)
+    torch_params = {}
+    for name, p in net.named_parameters():
+        full = p.detach()
+        if hasattr(full, "full_tensor"):  # a DTensor: all-gathered over the whole mesh
+            full = full.full_tensor()
+        torch_params[name] = full.clone().cpu()
+    return TorchHsdpResult(rank, labs_losses, labs_params, torch_losses, torch_params)
+
+
+def compare_fully_shard_hsdp(settings: HsdpSettings = LAB_SETTINGS, timeout: float = 180.0
+                             ) -> list[TorchHsdpResult]:
+    """:func:`torch_hsdp_worker` on ``settings.world_size`` ranks (gloo)."""
+    return list(launch(torch_hsdp_worker, settings.world_size, args=(settings,), echo=False,
+                       timeout=timeout))
+
+
+def torch_hsdp_difference(results: Sequence[TorchHsdpResult]) -> float | None:
+    """The largest |difference| between labs' and torch's parameters after the last step,
+    over ranks and parameters; None where torch's run was skipped."""
+    if any(r.skipped for r in results):
+        return None
+    return max((r.labs_params[name] - r.torch_params[name]).abs().max().item()
+               for r in results for name in r.labs_params)

@@ -1,0 +1,320 @@
+"""Chapter 8, part 1's measurements on an emulated :class:`labs.Topology`: the flat ring against
+the hierarchical all-reduce across node counts, and the flat ring step by step.
+
+The chapter's topology (:data:`CHAPTER_SETTINGS`) is nodes of 2 ranks whose inter-node link is
+10x slower than the intra-node one (1 ms latency on both, 500 MB/s inside a node, 50 MB/s
+between nodes), with a 16 MiB all-reduce: a run takes about a second, long beside the few
+milliseconds a sleeping rank wakes late, short enough for a notebook.
+
+* :func:`time_both` (worker) and :func:`measure_topology` time both all-reduces, lock-step
+  (``segment_bytes=None``, the schedule :func:`labs.cost_model.predict_on_topology` describes),
+  for every node count of the settings; :func:`topology_table` prints them beside the model.
+* :func:`ring_step_trace` (worker) records when each rank finishes each of the flat ring's
+  2(N-1) steps; :func:`trace_ring_steps` sets the slowest rank's steps beside
+  :func:`labs.cost_model.ring_step_times` and names the hop each step waited for
+  (:func:`model_ring_steps`): every step waits for its slowest, inter-node, hop.
+
+Workers run inside ranks; this module imports no plotting (:mod:`labs.viz.topology` draws).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from labs.collectives import HierarchicalGroups, hierarchical_all_reduce, ring_all_reduce
+from labs.cost_model import TopologyAlgorithm, predict_on_topology, ring_step_times
+from labs.launcher import MAX_WORLD_SIZE, launch
+from labs.link import Link, LinkKind, Topology
+from labs.p2p import Peers, Phase
+from labs.tables import format_table
+
+
+@dataclass(frozen=True)
+class TopologySettings:
+    """One run: for each count in ``nodes``, ``nodes x node_size`` ranks on the topology
+    (``intra`` inside a node, ``inter`` between nodes), an all-reduce of ``size_bytes``
+    (float32), ``repeats`` timed calls of each algorithm; with ``loopback`` also on the real
+    transport (no emulated link)."""
+
+    nodes: tuple[int, ...] = (2, 4, 8)
+    node_size: int = 2
+    size_bytes: int = 16 << 20
+    intra: Link = Link(alpha=1e-3, bandwidth=500e6)
+    inter: Link = Link(alpha=1e-3, bandwidth=50e6)
+    repeats: int = 3
+    loopback: bool = False  #: also time both on the real transport
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, tuple) or not self.nodes \
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                       for n in self.nodes):
+            raise ValueError(f"nodes must be a tuple of counts >= 1, got {self.nodes!r}; "
+                             "e.g. (2, 4, 8).")
+        if isinstance(self.node_size, bool) or not isinstance(self.node_size, int) \
+                or self.node_size < 1 or max(self.nodes) * self.node_size > MAX_WORLD_SIZE:
+            raise ValueError(f"node_size must be an int >= 1 with nodes x node_size <= "
+                             f"{MAX_WORLD_SIZE} ranks, got {self.node_size!r} x "
+                             f"{max(self.nodes)}: use fewer nodes or smaller ones.")
+        if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int) \
+                or self.size_bytes < 4 or self.size_bytes % 4:
+            raise ValueError(f"size_bytes must be a positive multiple of 4 (float32), got "
+                             f"{self.size_bytes!r}; e.g. 16 << 20.")
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise TypeError(f"{name} must be a labs.Link, got "
+                                f"{type(getattr(self, name)).__name__}; e.g. "
+                                f"{name}=Link(alpha=1e-3, bandwidth=50e6).")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) \
+                or self.repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {self.repeats!r}.")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.node_size, self.intra, self.inter)
+
+
+#: The chapter's topology: nodes of 2, the inter-node link 10x slower; 16 MiB; the step trace
+#: on 4 nodes (8 ranks).
+CHAPTER_SETTINGS = TopologySettings()
+#: How many nodes the chapter's step trace uses.
+CHAPTER_TRACE_NODES = 4
+
+
+# --- flat ring vs hierarchical ------------------------------------------------------------------
+
+
+def time_both(rank: int, world_size: int, node_size: int, nbytes: int, repeats: int
+              ) -> dict[TopologyAlgorithm, list[float]]:
+    """Worker: seconds of each call of each algorithm on this rank, from a barrier. Every
+    result is checked (the sum of the ranks' ids everywhere)."""
+    groups = HierarchicalGroups.build(node_size)
+    out: dict[TopologyAlgorithm, list[float]] = {}
+    for algorithm in TopologyAlgorithm:
+        times = []
+        for _ in range(repeats):
+            tensor = torch.full((nbytes // 4,), float(rank))  # 1-D float32, S bytes
+            dist.barrier()
+            start = time.monotonic()
+            if algorithm is TopologyAlgorithm.FLAT_RING:
+                ring_all_reduce(tensor, segment_bytes=None)
+            else:
+                hierarchical_all_reduce(tensor, node_size, groups=groups, segment_bytes=None)
+            times.append(time.monotonic() - start)
+            if float(tensor.min()) != float(tensor.max()) or \
+                    float(tensor[0]) != sum(range(world_size)):
+                raise RuntimeError(f"{algorithm.value} all-reduce gave a wrong sum on rank "
+                                   f"{rank}.")
+        out[algorithm] = times
+    return out
+
+
+def slowest(per_rank: Sequence[dict[TopologyAlgorithm, list[float]]],
+            algorithm: TopologyAlgorithm) -> list[float]:
+    """Per call, the slowest rank's seconds (the collective is done when the last rank is)."""
+    return [max(t) for t in zip(*(r[algorithm] for r in per_rank), strict=True)]
+
+
+@dataclass(frozen=True)
+class TopologyRow:
+    """Both all-reduces on one node count: per call the slowest rank's seconds, and the
+    model's (:func:`labs.cost_model.predict_on_topology`)."""
+
+    nodes: int
+    ranks: int
+    measured: dict[TopologyAlgorithm, list[float]]
+    model: dict[TopologyAlgorithm, float]
+    loopback: dict[TopologyAlgorithm, list[float]] | None = None
+
+    def median(self, algorithm: TopologyAlgorithm) -> float:
+        return statistics.median(self.measured[algorithm])
+
+    @property
+    def speedup(self) -> float:
+        """Measured flat / hierarchical (medians)."""
+        return self.median(TopologyAlgorithm.FLAT_RING) / self.median(
+            TopologyAlgorithm.HIERARCHICAL)
+
+    @property
+    def model_speedup(self) -> float:
+        return self.model[TopologyAlgorithm.FLAT_RING] / self.model[
+            TopologyAlgorithm.HIERARCHICAL]
+
+
+def measure_topology(settings: TopologySettings = CHAPTER_SETTINGS, timeout: float = 600.0
+                     ) -> list[TopologyRow]:
+    """One launch per node count on the emulated topology (and one on the real transport with
+    ``settings.loopback``): a :class:`TopologyRow` each."""
+    rows = []
+    for nodes in settings.nodes:
+        n = nodes * settings.node_size
+        args = (settings.node_size, settings.size_bytes, settings.repeats)
+        on_link = launch(time_both, n, args=args, link=settings.topology, echo=False,
+                         timeout=timeout)
+        real = launch(time_both, n, args=args, echo=False, timeout=timeout) \
+            if settings.loopback else None
+        rows.append(TopologyRow(
+            nodes, n, {a: slowest(on_link, a) for a in TopologyAlgorithm},
+            {a: predict_on_topology(a, settings.size_bytes, n, settings.topology)
+             for a in TopologyAlgorithm},
+            None if real is None else {a: slowest(real, a) for a in TopologyAlgorithm}))
+    return rows
+
+
+def topology_table(rows: Sequence[TopologyRow]) -> str:
+    """Seconds per all-reduce (median over calls of the slowest rank), beside the model."""
+    flat, hier = TopologyAlgorithm.FLAT_RING, TopologyAlgorithm.HIERARCHICAL
+    loopback = any(r.loopback is not None for r in rows)
+    headers = ["nodes", "ranks", "flat (s)", "flat model", "hier. (s)", "hier. model",
+               "speed-up", "model speed-up"]
+    if loopback:
+        headers += ["loopback flat (s)", "loopback hier. (s)"]
+    body = []
+    for r in rows:
+        line = [r.nodes, r.ranks, f"{r.median(flat):.3f}", f"{r.model[flat]:.3f}",
+                f"{r.median(hier):.3f}", f"{r.model[hier]:.3f}", f"{r.speedup:.2f}x",
+                f"{r.model_speedup:.2f}x"]
+        if loopback:
+            line += ["-", "-"] if r.loopback is None else [
+                f"{statistics.median(r.loopback[flat]):.4f}",
+                f"{statistics.median(r.loopback[hier]):.4f}"]
+        body.append(line)
+    return format_table(headers, body)
+
+
+# --- the flat ring, step by step ----------------------------------------------------------------
+
+
+def ring_step_trace(rank: int, world_size: int, nbytes: int) -> list[float]:
+    """Worker: the flat lock-step ring's 2(N-1) steps on this rank, each one chunk of
+    ``nbytes``/N sent right while one arrives from the left (the messages of
+    ``ring_all_reduce(t, segment_bytes=None)``; the additions are left out), returning when
+    each step finished, in seconds from a common barrier. Launch it with ``link=`` a
+    :class:`labs.Topology` and set it beside :func:`labs.cost_model.ring_step_times`: every
+    step waits for the slowest (inter-node) hop."""
+    peers = Peers.of(None, None)
+    send = torch.zeros(nbytes // 4 // world_size)  # 1-D float32, one chunk
+    recv = torch.empty_like(send)
+    dist.barrier()
+    start, done = time.monotonic(), []
+    for _ in range(2 * (world_size - 1)):
+        peers.exchange(send, rank + 1, recv, rank - 1)
+        send, recv = recv, send
+        done.append(time.monotonic() - start)
+    return done
+
+
+def ring_step_traces(rank: int, world_size: int, nbytes: int, repeats: int
+                     ) -> list[list[float]]:
+    """Worker: :func:`ring_step_trace` ``repeats`` times (each from its own barrier)."""
+    return [ring_step_trace(rank, world_size, nbytes) for _ in range(repeats)]
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """One step of the flat lock-step ring in the port model."""
+
+    step: int  #: 0 .. 2(N-1)-1
+    phase: Phase
+    finish: float  #: when the last rank finishes this step (s from the start)
+    duration: float  #: finish minus the previous step's finish
+    rank: int  #: the rank that finishes last (the first of them, on a tie)
+    waited_for: LinkKind
+    """The hop that rank waited for: the arriving chunk's hop, or the port (in or out) that
+    was still busy; inter-node when an inter-node term reaches the maximum."""
+
+
+def model_ring_steps(size_bytes: float, world_size: int, topology: Topology
+                     ) -> list[ModelStep]:
+    """Per step of :func:`labs.cost_model.ring_step_times`, the slowest rank's finish and
+    which hop it waited for. The recurrence is the cost model's: rank r finishes step k at
+    ``max(t(r-1, k-1) + T(hop r-1 -> r), t(r, k-1) + c/bw_out(r), t(r, k-1) + c/bw_in(r))``;
+    the hop is the link of whichever term reaches the maximum."""
+    times = ring_step_times(size_bytes, world_size, topology)
+    n = world_size
+    if not times:
+        return []
+    chunk = size_bytes / n
+    out, previous = [], [0.0] * n
+    for k, row in enumerate(times):
+        finish = max(row)
+        r = row.index(finish)
+        into, onward = topology.kind((r - 1) % n, r), topology.kind(r, (r + 1) % n)
+        terms = [(previous[r - 1] + topology.link((r - 1) % n, r).seconds(chunk), into),
+                 (previous[r] + chunk / topology.link(r, (r + 1) % n).bandwidth, onward),
+                 (previous[r] + chunk / topology.link((r - 1) % n, r).bandwidth, into)]
+        reached = {kind for value, kind in terms
+                   if math.isclose(value, finish, rel_tol=1e-9, abs_tol=1e-12)}
+        waited = LinkKind.INTER if LinkKind.INTER in reached else LinkKind.INTRA
+        last = max(previous) if k else 0.0
+        out.append(ModelStep(k, Phase.REDUCE_SCATTER if k < n - 1 else Phase.ALL_GATHER,
+                             finish, finish - last, r, waited))
+        previous = row
+    return out
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step of the flat ring: measured (median over repeats of the slowest rank) beside
+    the model, and the hop the model says it waited for."""
+
+    step: int
+    phase: Phase
+    measured_finish: float
+    model_finish: float
+    measured: float  #: this step's duration: its finish minus the previous step's
+    model: float
+    waited_for: LinkKind
+    slowest_rank: int  #: the rank that finished this step last, measured (most repeats)
+
+
+def step_rows(per_rank: Sequence[Sequence[Sequence[float]]], size_bytes: float,
+              topology: Topology) -> list[StepRow]:
+    """Combine :func:`ring_step_traces`' results (per rank, per repeat, per step) with
+    :func:`model_ring_steps`."""
+    world_size = len(per_rank)
+    model = model_ring_steps(size_bytes, world_size, topology)
+    repeats = len(per_rank[0])
+    # finish[i][k]: repeat i, step k: the slowest rank's finish
+    finish = [[max(per_rank[r][i][k] for r in range(world_size)) for k in range(len(model))]
+              for i in range(repeats)]
+    rows = []
+    for m in model:
+        k = m.step
+        median_finish = statistics.median(f[k] for f in finish)
+        durations = [f[k] - (f[k - 1] if k else 0.0) for f in finish]
+        late = [max(range(world_size), key=lambda r, i=i: per_rank[r][i][k])
+                for i in range(repeats)]
+        rows.append(StepRow(k, m.phase, median_finish, m.finish, statistics.median(durations),
+                            m.duration, m.waited_for, statistics.mode(late)))
+    return rows
+
+
+def trace_ring_steps(settings: TopologySettings = CHAPTER_SETTINGS,
+                     nodes: int = CHAPTER_TRACE_NODES, timeout: float = 300.0
+                     ) -> list[StepRow]:
+    """One launch of ``nodes x settings.node_size`` ranks on the topology: the flat lock-step
+    ring of ``settings.size_bytes``, step by step, measured beside the model."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 \
+            or nodes * settings.node_size > MAX_WORLD_SIZE:
+        raise ValueError(f"nodes must be an int >= 1 with nodes x node_size <= "
+                         f"{MAX_WORLD_SIZE}, got {nodes!r}.")
+    n = nodes * settings.node_size
+    per_rank = launch(ring_step_traces, n, args=(settings.size_bytes, settings.repeats),
+                      link=settings.topology, echo=False, timeout=timeout)
+    return step_rows(per_rank, settings.size_bytes, settings.topology)
+
+
+def step_table(rows: Sequence[StepRow]) -> str:
+    """Per step: the phase, measured and modelled durations (ms), and the hop waited for."""
+    body = [[r.step, r.phase.value, f"{1e3 * r.measured:.1f}", f"{1e3 * r.model:.1f}",
+             f"{r.measured / r.model:.2f}" if r.model else "-", r.waited_for.value,
+             r.slowest_rank] for r in rows]
+    return format_table(["step", "phase", "measured (ms)", "model (ms)", "measured / model",
+                         "waits for", "last rank (measured)"], body)

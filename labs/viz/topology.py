@@ -1,0 +1,84 @@
+"""Chapter 8's topology figures: the flat ring step by step (measured beside the port model,
+each step coloured by the hop it waited for), and the flat ring against the hierarchical
+all-reduce across node counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from labs.cost_model import TopologyAlgorithm
+from labs.experiments.topology import StepRow, TopologyRow
+from labs.link import LinkKind
+
+#: Colour of a step by the hop it waited for.
+_HOP_COLOURS = {LinkKind.INTRA: "tab:blue", LinkKind.INTER: "tab:red"}
+_ALGORITHM_COLOURS = {TopologyAlgorithm.FLAT_RING: "tab:red",
+                      TopologyAlgorithm.HIERARCHICAL: "tab:green"}
+
+
+def plot_ring_steps(rows: Sequence[StepRow], title: str = "") -> Figure:
+    """One pair of bars per step of the flat ring (from
+    :func:`labs.experiments.topology.trace_ring_steps`): the measured duration (solid,
+    coloured by the hop the model says the step waited for) and the model's (hatched
+    outline), in milliseconds."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(rows) + 2.0), 3.2))
+    steps = [r.step for r in rows]
+    width = 0.4
+    ax.bar([s - width / 2 for s in steps], [1e3 * r.measured for r in rows], width,
+           color=[_HOP_COLOURS[r.waited_for] for r in rows], label="measured")
+    ax.bar([s + width / 2 for s in steps], [1e3 * r.model for r in rows], width,
+           fill=False, hatch="//", edgecolor=[_HOP_COLOURS[r.waited_for] for r in rows],
+           label="model")
+    if rows:
+        boundary = next((r.step for r in rows if r.phase is not rows[0].phase), None)
+        if boundary is not None:
+            ax.axvline(boundary - 0.5, color="0.5", linestyle=":", linewidth=1)
+            top = max(1e3 * max(r.measured, r.model) for r in rows)
+            ax.text(boundary - 0.6, top, rows[0].phase.value, ha="right", va="top",
+                    fontsize=8, color="0.4")
+            ax.text(boundary - 0.4, top, rows[boundary].phase.value, ha="left", va="top",
+                    fontsize=8, color="0.4")
+    handles = [Patch(facecolor=_HOP_COLOURS[k], label=f"measured, waits for {k.value} hop")
+               for k in LinkKind if any(r.waited_for is k for r in rows)]
+    handles.append(Patch(fill=False, hatch="//", edgecolor="0.3", label="model"))
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    ax.set_xticks(steps)
+    ax.set_xlabel("ring step")
+    ax.set_ylabel("duration (ms)")
+    ax.set_title(title or "Flat ring, step by step: every step waits for its slowest hop",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_flat_vs_hierarchical(rows: Sequence[TopologyRow], title: str = "") -> Figure:
+    """Seconds per all-reduce against the number of nodes (from
+    :func:`labs.experiments.topology.measure_topology`): the median of the slowest rank as a
+    dot with the range over calls as an error bar, the model as a dashed line."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    nodes = [r.nodes for r in rows]
+    for algorithm in TopologyAlgorithm:
+        colour = _ALGORITHM_COLOURS[algorithm]
+        medians = [r.median(algorithm) for r in rows]
+        low = [m - min(r.measured[algorithm]) for m, r in zip(medians, rows, strict=True)]
+        high = [max(r.measured[algorithm]) - m for m, r in zip(medians, rows, strict=True)]
+        ax.errorbar(nodes, medians, yerr=[low, high], fmt="o", color=colour, capsize=3,
+                    label=f"{algorithm.value}, measured")
+        ax.plot(nodes, [r.model[algorithm] for r in rows], "--", color=colour, alpha=0.7,
+                label=f"{algorithm.value}, model")
+    for r in rows:
+        ax.annotate(f"{r.speedup:.2f}x", (r.nodes, r.median(TopologyAlgorithm.HIERARCHICAL)),
+                    textcoords="offset points", xytext=(6, -12), fontsize=8,
+                    color=_ALGORITHM_COLOURS[TopologyAlgorithm.HIERARCHICAL])
+    ax.set_xticks(nodes)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("seconds per all-reduce")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "Flat ring vs hierarchical all-reduce", fontsize=10)
+    fig.tight_layout()
+    return fig
