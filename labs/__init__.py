@@ -25,6 +25,9 @@ order:
 * :mod:`labs.activations` (activation memory, checkpointing), :mod:`labs.precision` (fp16
   loss scaling, ``ShardedGradScaler``) and :mod:`labs.checkpoint` (sharded checkpoints that
   load on any number of ranks) - chapter 7, FSDP in practice (``python -m labs fsdp``).
+* :mod:`labs.tensor_parallel` - chapter 8: Megatron's column- and row-parallel MLP; the
+  chapter's ``Topology`` is in :mod:`labs.link`, ``hierarchical_all_reduce`` in
+  :mod:`labs.collectives`, HSDP is ``FSDP(shard_size=...)``.
 * :mod:`labs.wrappers` - ``Wrapper``, which data-parallel wrapper holds the model, and the
   factory that builds each one.
 * :mod:`labs.tables` - plain text tables (one formatter, no matplotlib).

@@ -7,9 +7,7 @@ then one configurable learner function per exercise whose keyword switches (boun
 functools.partial) turn on one mistake each. Wrong answers run on 4 ranks (8.1: 2 nodes of 2,
 4 nodes of 1 and 1 node of 4 in one launch) or 2 ranks (8.2).
 
-The reference solutions are the code of chapter 8's solution cells. Until the chapter's
-notebook exists they are written here; then they are read from it, as chapter 7's are:
-``solution("08_beyond_one_node.ipynb", "8.1", "hierarchical_all_reduce_", globals())``.
+The reference solutions are read from chapter 8's solution cells (tests/solutions.py).
 """
 
 from functools import partial
@@ -45,22 +43,15 @@ from labs.checks.topology_cases import (
 from labs.checks.watch import COLLECTIVE_METHODS
 from labs.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_bounds
 
+from solutions import solution
+
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 # --- right answers: the reference solutions of chapter 8's exercises 8.1 and 8.2 ---------------
 
-
-def hierarchical_all_reduce_(tensor, node_group, cross_group):
-    shard = ring_reduce_scatter(tensor, group=node_group)  # chunk l of g, summed over the node
-    ring_all_reduce(shard, group=cross_group)               # ... and over every node
-    ring_all_gather(shard, node_group, numel=tensor.numel(), out=tensor)  # every chunk, here
-
-
-def tp_mlp_forward(x, w1, b1, w2, b2):
-    hidden = F.gelu(x @ w1.T + b1)  # (..., h_r): this rank's slice of the hidden features
-    out = hidden @ w2.T             # (..., D): this rank's term of the sum over the slices
-    dist.all_reduce(out)            # the one all-reduce: every rank's term, added up
-    return out + b2                 # the bias once, after the sum
+hierarchical_all_reduce_ = solution("08_beyond_one_node.ipynb", "8.1", "hierarchical_all_reduce_",
+                                    globals())
+tp_mlp_forward = solution("08_beyond_one_node.ipynb", "8.2", "tp_mlp_forward", globals())
 
 
 def test_right_hierarchical_all_reduce_passes_with_the_documented_verdict(capsys):

@@ -10,7 +10,6 @@ small part of every modelled message."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -224,7 +223,9 @@ def test_flat_and_hierarchical_follow_their_closed_forms(world_size):
                       timeout=120)
     for algorithm in TopologyAlgorithm:
         runs = [r[algorithm.value][0] for r in per_rank]
-        measured = statistics.median(max(t) for t in zip(*runs, strict=True))
+        # the fastest call (slowest rank each time): the model prices the wire alone, and a
+        # rank woken late by a loaded machine only adds (chapter A2's method)
+        measured = min(max(t) for t in zip(*runs, strict=True))
         model = predict_on_topology(algorithm, NBYTES, world_size, TOPOLOGY)
         assert abs(measured - model) <= TOLERANCE * model, (algorithm, measured, model)
         across = [r[algorithm.value][1] for r in per_rank]

@@ -28,8 +28,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from labs.collectives import HierarchicalGroups, hierarchical_all_reduce, ring_all_reduce
-from labs.cost_model import TopologyAlgorithm, predict_on_topology, ring_step_times
+from labs.collectives import (
+    HierarchicalGroups,
+    Recorder,
+    hierarchical_all_reduce,
+    ring_all_reduce,
+)
+from labs.cost_model import (
+    TopologyAlgorithm,
+    bytes_across_nodes,
+    predict_on_topology,
+    ring_step_times,
+)
 from labs.launcher import MAX_WORLD_SIZE, launch
 from labs.link import Link, LinkKind, Topology
 from labs.p2p import Peers, Phase
@@ -318,3 +328,38 @@ def step_table(rows: Sequence[StepRow]) -> str:
              r.slowest_rank] for r in rows]
     return format_table(["step", "phase", "measured (ms)", "model (ms)", "measured / model",
                          "waits for", "last rank (measured)"], body)
+
+
+# --- bytes across nodes -------------------------------------------------------------------------
+
+
+def across_worker(rank: int, world_size: int, node_size: int, numel: int
+                  ) -> dict[TopologyAlgorithm, int]:
+    """The bytes this rank sends to other nodes in one flat ring and one hierarchical
+    all-reduce of ``numel`` float32 elements (a Recorder that knows the nodes counts them)."""
+    groups = HierarchicalGroups.build(node_size)
+    sent = {}
+    for algorithm in TopologyAlgorithm:
+        tensor = torch.ones(numel)
+        recorder = Recorder(node_size=node_size)
+        if algorithm is TopologyAlgorithm.FLAT_RING:
+            ring_all_reduce(tensor, recorder=recorder)
+        else:
+            hierarchical_all_reduce(tensor, node_size, recorder=recorder, groups=groups)
+        sent[algorithm] = recorder.stats.bytes_sent_across_nodes
+    return sent
+
+
+def across_table(per_rank: Sequence[dict[TopologyAlgorithm, int]], node_size: int, numel: int
+                 ) -> tuple[str, bool]:
+    """Per rank: bytes sent to other nodes by each algorithm, measured and closed form
+    (:func:`labs.cost_model.bytes_across_nodes`); and whether every one matches."""
+    n = len(per_rank)
+    model = {a: bytes_across_nodes(a, numel, 4, n, node_size) for a in TopologyAlgorithm}
+    rows = [[r, *(f"{got[a]:,} / {model[a][r]:,}" for a in TopologyAlgorithm)]
+            for r, got in enumerate(per_rank)]
+    matches = all(got[a] == model[a][r] for r, got in enumerate(per_rank)
+                  for a in TopologyAlgorithm)
+    table = format_table(["rank", *(f"{a.value}: measured / model (B)" for a in TopologyAlgorithm)],
+                         rows)
+    return table, matches

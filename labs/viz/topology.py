@@ -75,6 +75,7 @@ def plot_flat_vs_hierarchical(rows: Sequence[TopologyRow], title: str = "") -> F
                     textcoords="offset points", xytext=(6, -12), fontsize=8,
                     color=_ALGORITHM_COLOURS[TopologyAlgorithm.HIERARCHICAL])
     ax.set_xticks(nodes)
+    ax.margins(x=0.12)  # room for the speed-up written right of the last point
     ax.set_xlabel("nodes")
     ax.set_ylabel("seconds per all-reduce")
     ax.set_ylim(bottom=0)

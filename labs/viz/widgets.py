@@ -28,6 +28,7 @@ from labs.experiments.recipe import (
 )
 from labs.experiments.sweep import SweepSettings, run_sweep, sweep_tables
 from labs.experiments.timing import dtype_name, format_size
+from labs.experiments.topology import TopologySettings, measure_topology, topology_table
 from labs.experiments.zero import (
     LAB_SETTINGS,
     Recipe,
@@ -41,6 +42,7 @@ from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
 from labs.viz.collectives import plot_collective_bars, plot_toy_allreduce
 from labs.viz.ddp import plot_step_times, plot_timeline, step_time_table
 from labs.viz.recipe import plot_budget, plot_losses
+from labs.viz.topology import plot_flat_vs_hierarchical
 from labs.viz.zero import calculator_table, plot_calculator, plot_step_memory
 from labs.wrappers import ZERO_STAGES, Wrapper
 
@@ -427,3 +429,43 @@ def recipe_panel(world_size: int = 2, config: RecipeConfig | None = None) -> Non
         accumulation=accumulation.value, steps=steps.value)))
     display(w.VBox([w.HBox([size, dtype, ckpt]), w.HBox([accumulation, steps]), button, out]))
     show_recipe_run(world_size, base)
+
+
+# --- chapter 8: beyond one node -----------------------------------------------------------------
+
+
+def show_topology_run(settings: TopologySettings) -> None:
+    """Both all-reduces on real ranks over the emulated topology: the table and the figure."""
+    start = time.perf_counter()
+    rows = measure_topology(settings)
+    print(f"{settings.size_bytes / 2**20:g} MiB all-reduced on nodes of {settings.node_size}: "
+          f"intra {settings.intra.bandwidth / 1e6:g} MB/s, inter "
+          f"{settings.inter.bandwidth / 1e6:g} MB/s ({time.perf_counter() - start:.1f} s on "
+          "real ranks)")
+    print(topology_table(rows))
+    fig = plot_flat_vs_hierarchical(rows)
+    display(fig)
+    plt.close(fig)
+
+
+def topology_panel(settings: TopologySettings | None = None) -> None:
+    """Nodes, how much slower the link between nodes is, and the size -> the flat ring and
+    the hierarchical all-reduce on real ranks, measured beside the model. The default run is
+    shown at once, as ordinary output."""
+    base = settings or TopologySettings(nodes=(2,), size_bytes=4 << 20,
+                                        intra=Link(1e-3, 100e6), inter=Link(1e-3, 10e6))
+    nodes = w.Dropdown(options=[1, 2, 4], value=base.nodes[0], description="nodes")
+    ratio = w.Dropdown(options=[1, 2, 5, 10, 20], description="intra / inter",
+                       value=round(base.intra.bandwidth / base.inter.bandwidth))
+    size = w.Dropdown(options=[("1 MiB", 1 << 20), ("4 MiB", 4 << 20), ("16 MiB", 16 << 20)],
+                      value=base.size_bytes, description="size")
+    out = w.Output()
+
+    def chosen() -> TopologySettings:
+        inter = Link(base.inter.alpha, base.intra.bandwidth / ratio.value)
+        return dataclasses.replace(base, nodes=(nodes.value,), size_bytes=size.value,
+                                   inter=inter)
+
+    button = _run_button(out, lambda: show_topology_run(chosen()))
+    display(w.VBox([w.HBox([nodes, ratio, size]), button, out]))
+    show_topology_run(base)
