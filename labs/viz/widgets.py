@@ -1,10 +1,18 @@
-"""Widget panels: controls that build an experiment's settings and run it on real ranks."""
+"""Widget panels: controls that build an experiment's settings and run it on real ranks.
+
+Every panel with ranks behind it is a :func:`labs.viz.recorded.recorded_panel`: when its cell
+runs (for the book, at build time) it runs a small grid of settings and keeps each output, and
+its controls switch between them in the browser, so the rendered book's panels work with no
+kernel; in a running notebook its button launches the chosen setting on new ranks. The memory
+calculators are arithmetic: in the book they compute in the browser
+(:mod:`labs.viz.calculators`), in a notebook in Python.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import ipywidgets as w
 import matplotlib.pyplot as plt
@@ -28,10 +36,17 @@ from labs.experiments.recipe import (
 )
 from labs.experiments.sweep import SweepSettings, run_sweep, sweep_tables
 from labs.experiments.timing import dtype_name, format_size
-from labs.experiments.topology import TopologySettings, measure_topology, topology_table
+from labs.experiments.topology import (
+    TopologyRow,
+    TopologySettings,
+    measure_topology,
+    topology_table,
+)
 from labs.experiments.zero import (
     LAB_SETTINGS,
+    MemoryReport,
     Recipe,
+    TrafficRow,
     measure_memory,
     measure_traffic,
 )
@@ -39,9 +54,15 @@ from labs.launcher import launch
 from labs.link import Link
 from labs.tables import format_table, toy_table
 from labs.toy_allreduce import ToyAllReduceConfig, toy_all_reduce_step
+from labs.viz.calculators import (
+    WithBrowserFallback,
+    budget_calculator_html,
+    zero_calculator_html,
+)
 from labs.viz.collectives import plot_collective_bars, plot_toy_allreduce
 from labs.viz.ddp import plot_step_times, plot_timeline, step_time_table
 from labs.viz.recipe import plot_budget, plot_losses
+from labs.viz.recorded import Choice, record, recorded_panel
 from labs.viz.topology import plot_flat_vs_hierarchical
 from labs.viz.zero import calculator_table, plot_calculator, plot_step_memory
 from labs.wrappers import ZERO_STAGES, Wrapper
@@ -58,35 +79,17 @@ def show_toy_run(world_size: int, config: ToyAllReduceConfig) -> None:
     plt.close(fig)
 
 
-def _run_button(out: w.Output, action: Callable[[], None]) -> w.Button:
-    """A "Run on real ranks" button: each click clears ``out`` and shows ``action``'s output
-    there; the button is disabled while the ranks run, so a second click cannot start a
-    second launch."""
-    button = w.Button(description="Run on real ranks", button_style="primary", icon="play")
-
-    def run(_: w.Button) -> None:
-        button.disabled, button.description = True, "Running..."
-        try:
-            with out:
-                out.clear_output(wait=True)
-                action()
-        finally:
-            button.disabled, button.description = False, "Run on real ranks"
-
-    button.on_click(run)
-    return button
-
-
-def toy_allreduce_panel(world_size: int = 4, seed: int = 0) -> None:
-    """World size, seed and a run button. The default run is shown at once, as ordinary
-    output (so a rendered page shows it); each click shows its own run in the panel."""
-    size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
+def toy_allreduce_panel(world_size: int = 4, seed: int = 0,
+                        world_sizes: Sequence[int] = (1, 2, 3, 4, 8)) -> None:
+    """The toy all-reduce at each of ``world_sizes`` (recorded, switched in the browser), and
+    a button that runs the chosen world size with any seed on new ranks."""
     seed_box = w.IntText(value=seed, description="seed", layout=w.Layout(width="160px"))
-    out = w.Output()
-    button = _run_button(out, lambda: show_toy_run(size.value,
-                                                   ToyAllReduceConfig(seed=seed_box.value)))
-    display(w.VBox([w.HBox([size, seed_box, button]), out]))
-    show_toy_run(world_size, ToyAllReduceConfig(seed=seed))
+    config = ToyAllReduceConfig(seed=seed)
+    recorded_panel(
+        [Choice("world size", tuple((str(n), n) for n in world_sizes), world_size)],
+        lambda n: show_toy_run(n, config),
+        live=lambda n: show_toy_run(n, ToyAllReduceConfig(seed=seed_box.value)),
+        live_controls=[seed_box])
 
 
 # --- chapters 2-4: time a collective --------------------------------------------------------
@@ -158,61 +161,54 @@ def show_collective_run(settings: SweepSettings) -> None:
 
 def collective_panel(
     collective: Collective, world_size: int = 4, size_bytes: int = 1 << 20,
-    algorithms: Sequence[Algorithm] | None = None, iters: int = 5, link: Link | None = None,
+    world_sizes: Sequence[int] = (2, 4, 8), sizes: Sequence[int] = (4 << 10, 1 << 20),
+    iters: int = 5, link: Link | None = None,
 ) -> None:
-    """World size, message size and algorithms for ``collective``, and a run button that times
-    them on real ranks (:func:`labs.bench.collectives.run_sweep`). The default run is shown at
-    once, as ordinary output (so a rendered page shows it); each click shows its own run in
-    the panel. A collective needs two ranks, so the world size starts at 2.
+    """Every algorithm of ``collective`` at each world size and message size of the grid,
+    timed on real ranks (:func:`labs.experiments.sweep.run_sweep`, one launch per world size)
+    and switched in the browser; the button times the chosen setting again on new ranks.
 
-    With a ``link`` (all-reduce only), a checkbox runs labs' own algorithms on that emulated
-    network instead (:func:`labs.experiments.link_sweep.measure_on_link`) and prints each
-    one's time beside the model's (torch's built-in is left out: the link does not carry its
-    messages)."""
+    With a ``link`` (all-reduce only), a checkbox beside the button runs labs' own algorithms
+    on that emulated network instead (:func:`labs.experiments.link_sweep.measure_on_link`)
+    and prints each one's time beside the model's (torch's built-in is left out: the link
+    does not carry its messages)."""
     from labs.experiments import link_sweep
 
-    default = panel_settings(collective, world_size, size_bytes, algorithms, iters)
-    options = [(format_size(s), s) for s in sorted({*PANEL_SIZES, size_bytes})]
-    size = w.IntSlider(value=world_size, min=2, max=8, description="world size")
-    message = w.Dropdown(options=options, value=size_bytes, description="size S",
-                         layout=w.Layout(width="180px"))
-    boxes = {a: w.Checkbox(value=a in default.algorithms_of(collective), description=a.value,
-                           indent=False, layout=w.Layout(width="auto"))
-             for a in collective.algorithms()}
+    grid = dataclasses.replace(panel_settings(collective, world_sizes[0], sizes[0], None, iters),
+                               sizes=tuple(sizes), world_sizes=tuple(world_sizes))
+    start = time.perf_counter()
+    timings = run_sweep(grid)
+    took = time.perf_counter() - start
+
+    def render(n: int, size: int) -> None:
+        mine = [t for t in timings if t.world_size == n and t.case.size_bytes == size]
+        print(f"{collective.value} of {format_size(size)} on {n} real ranks, every algorithm "
+              f"(the grid took {took:.1f} s); the same from a shell:\n  "
+              f"{sweep_command(dataclasses.replace(grid, sizes=(size,), world_sizes=(n,)))}\n")
+        print(sweep_tables(mine))
+        fig = plot_collective_bars(mine)
+        display(fig)
+        plt.close(fig)
+
     on_link = w.Checkbox(value=False, indent=False, layout=w.Layout(width="auto"),
                          description="" if link is None else
                          f"on the emulated link ({link.alpha * 1e3:g} ms, "
                          f"{link.bandwidth / 1e6:g} MB/s)")
-    out = w.Output()
 
-    def run_on_link(chosen: list[Algorithm]) -> None:
-        assert link is not None
-        mine = tuple(a for a in chosen if a is not Algorithm.TORCH)
-        if not mine:
-            print("Cannot run: choose at least one of labs' own algorithms (the link does not "
-                  "carry torch's messages).")
+    def live(n: int, size: int) -> None:
+        if on_link.value and link is not None:
+            mine = tuple(a for a in collective.algorithms() if a is not Algorithm.TORCH)
+            settings = link_sweep.LinkSweepSettings(link=link, sizes=(size,), world_sizes=(n,),
+                                                    algorithms=mine)
+            print(link_sweep.link_table(link_sweep.measure_on_link(settings)))
             return
-        settings = link_sweep.LinkSweepSettings(link=link, sizes=(message.value,),
-                                                world_sizes=(size.value,), algorithms=mine)
-        print(link_sweep.link_table(link_sweep.measure_on_link(settings)))
+        show_collective_run(panel_settings(collective, n, size, None, iters))
 
-    def run() -> None:
-        chosen = [a for a, box in boxes.items() if box.value]
-        if on_link.value:
-            run_on_link(chosen)
-            return
-        try:
-            settings = panel_settings(collective, size.value, message.value, chosen, iters)
-        except ValueError as err:
-            print(f"Cannot run: {err}")
-            return
-        show_collective_run(settings)
-
-    button = _run_button(out, run)
     extra = [on_link] if link is not None and collective is Collective.ALL_REDUCE else []
-    display(w.VBox([w.HBox([size, message, button]),
-                    w.HBox([w.Label("algorithms:"), *boxes.values(), *extra]), out]))
-    show_collective_run(default)
+    recorded_panel(
+        [Choice("world size", tuple((str(n), n) for n in world_sizes), world_size),
+         Choice("size S", tuple((format_size(b), b) for b in sizes), size_bytes)],
+        render, live=live, live_controls=extra)
 
 
 # --- chapter 5: data parallelism -------------------------------------------------------------
@@ -246,30 +242,29 @@ def show_ddp_run(world_size: int, settings: StepSettings, link: Link | None = No
 
 
 def ddp_panel(world_size: int = 2, bucket_cap_mb: float = 0.25, accumulation: int = 1,
-              settings: StepSettings | None = None, link: Link | None = None) -> None:
-    """World size, bucket cap and micro-batches per optimizer step, with ``link`` a box that
-    puts the run on that emulated network, and a run button (:func:`show_ddp_run`). The
-    default run (on the loopback) is shown at once, as ordinary output."""
+              settings: StepSettings | None = None, link: Link | None = None,
+              world_sizes: Sequence[int] = (2, 4), caps: Sequence[float] = (0.25, 25.0)
+              ) -> None:
+    """World size and bucket cap (recorded on the loopback, switched in the browser), with
+    micro-batches per optimizer step and, with ``link``, a box that puts the run on that
+    emulated network, beside the button that runs the chosen setting on new ranks
+    (:func:`show_ddp_run`)."""
     base = settings or StepSettings()
-    size = w.IntSlider(value=world_size, min=1, max=4, description="world size")
-    cap = w.Dropdown(options=[(cap_text(c), c) for c in sorted({*DDP_PANEL_CAPS,
-                                                                 bucket_cap_mb})],
-                     value=bucket_cap_mb, description="bucket cap",
-                     layout=w.Layout(width="200px"))
     micro = w.IntSlider(value=accumulation, min=1, max=8, description="micro-batches")
     on_link = w.Checkbox(value=False, description="on the emulated link", indent=False,
                          layout=w.Layout(display="flex" if link else "none"))
-    out = w.Output()
 
-    def run() -> None:
-        show_ddp_run(size.value, dataclasses.replace(base, bucket_cap_mb=cap.value,
-                                                     accumulation=micro.value),
+    def render(n: int, cap: float) -> None:
+        show_ddp_run(n, dataclasses.replace(base, bucket_cap_mb=cap, accumulation=accumulation))
+
+    def live(n: int, cap: float) -> None:
+        show_ddp_run(n, dataclasses.replace(base, bucket_cap_mb=cap, accumulation=micro.value),
                      link if on_link.value else None)
 
-    button = _run_button(out, run)
-    display(w.VBox([w.HBox([size, cap, micro]), w.HBox([on_link, button]), out]))
-    show_ddp_run(world_size, dataclasses.replace(base, bucket_cap_mb=bucket_cap_mb,
-                                                 accumulation=accumulation))
+    recorded_panel(
+        [Choice("world size", tuple((str(n), n) for n in world_sizes), world_size),
+         Choice("bucket cap", tuple((cap_text(c), c) for c in caps), bucket_cap_mb)],
+        render, live=live, live_controls=[micro, on_link])
 
 
 # --- chapter 6: ZeRO and FSDP -------------------------------------------------------------------
@@ -279,14 +274,15 @@ def memory_calculator(parameters: float = 7e9, recipe: Recipe = Recipe.MIXED,
                       world_size: int = 8, memory_gb: float = 80.0) -> None:
     """Model size, precision recipe, world size and memory per GPU -> bytes per parameter and
     GB per rank at every ZeRO stage (arithmetic: :func:`labs.experiments.zero.bytes_per_parameter`).
-    The default is shown at once; every change redraws."""
+    Every change redraws: in a notebook in Python, in the rendered book in the browser
+    (:func:`labs.viz.calculators.zero_calculator_html`, any size a reader types)."""
     size = w.FloatLogSlider(value=parameters, base=10, min=6, max=12, step=0.1,
                             description="parameters", readout_format=".2g")
     recipes = w.Dropdown(options=[(r.value, r) for r in Recipe], value=recipe,
                          description="recipe", layout=w.Layout(width="420px"))
     ranks = w.IntSlider(value=world_size, min=1, max=64, description="world size")
     memory = w.FloatText(value=memory_gb, description="GB per GPU", layout=w.Layout(width="200px"))
-    out = w.Output()
+    out = w.Output(outputs=record(_show_calculator, parameters, recipe, world_size, memory_gb))
 
     def show(*_: object) -> None:
         with out:
@@ -295,8 +291,10 @@ def memory_calculator(parameters: float = 7e9, recipe: Recipe = Recipe.MIXED,
 
     for control in (size, recipes, ranks, memory):
         control.observe(show, names="value")
-    display(w.VBox([w.HBox([size, ranks]), w.HBox([recipes, memory]), out]))
-    _show_calculator(parameters, recipe, world_size, memory_gb)
+    panel = WithBrowserFallback(
+        w.VBox([w.HBox([size, ranks]), w.HBox([recipes, memory]), out]),
+        zero_calculator_html(parameters, recipe, world_size, memory_gb))
+    display(panel)
 
 
 def _show_calculator(parameters: float, recipe: Recipe, world_size: int, memory_gb: float
@@ -313,33 +311,53 @@ def show_zero_run(world_size: int, strategy: Wrapper, settings: StepSettings) ->
     start = time.perf_counter()
     report = measure_memory([world_size], settings, [strategy])[(strategy, world_size)]
     traffic = measure_traffic([world_size], settings, [strategy])[0]
+    print(f"measured in {time.perf_counter() - start:.1f} s on real ranks")
+    _show_zero_report(world_size, strategy, settings, report, traffic)
+
+
+def _show_zero_report(world_size: int, strategy: Wrapper, settings: StepSettings,
+                      report: MemoryReport, traffic: TrafficRow | None) -> None:
     print(f"{strategy.value}, world size {world_size}, {settings.parameters:,} parameters "
-          f"({settings.layers} x Linear({settings.width}, {settings.width})), Adam: "
-          f"{time.perf_counter() - start:.1f} s on real ranks")
+          f"({settings.layers} x Linear({settings.width}, {settings.width})), Adam")
+    sent = ("sends nothing: one rank" if traffic is None else
+            f"sent {traffic.measured:.3f} S per step (closed form {traffic.expected:.3f} S)")
     print(f"peak {report.peak_bytes / settings.parameters:.2f} bytes per parameter "
-          f"({report.peak.moment}); sent {traffic.measured:.3f} S per step (closed form "
-          f"{traffic.expected:.3f} S)")
+          f"({report.peak.moment}); {sent}")
     fig = plot_step_memory(report)
     display(fig)
     plt.close(fig)
 
 
 def zero_panel(world_size: int = 4, strategy: Wrapper = Wrapper.FSDP,
-               settings: StepSettings | None = None) -> None:
-    """World size, ZeRO stage and model width -> one measured step: memory over time and
-    traffic. The default run is shown at once, as ordinary output."""
+               settings: StepSettings | None = None,
+               world_sizes: Sequence[int] = (1, 2, 4, 8),
+               reports: dict[tuple[Wrapper, int], MemoryReport] | None = None,
+               traffic: Sequence[TrafficRow] | None = None) -> None:
+    """World size and ZeRO stage -> one measured step: rank 0's memory over time and the
+    bytes it sent. The grid is ``reports`` and ``traffic`` where the chapter has measured
+    them already (:func:`labs.experiments.zero.measure_memory`, ``measure_traffic``), else
+    measured here; the button measures the chosen setting again, at any layer width."""
     base = settings or LAB_SETTINGS
-    size = w.IntSlider(value=world_size, min=1, max=8, description="world size")
-    stage = w.Dropdown(options=[(s.value, s) for s in ZERO_STAGES], value=strategy,
-                       description="stage", layout=w.Layout(width="260px"))
+    reports = reports or measure_memory(world_sizes, base)
+    traffic = list(traffic) if traffic is not None else measure_traffic(
+        [n for n in world_sizes if n > 1], base)
+    missing = [(s, n) for n in world_sizes for s in ZERO_STAGES if (s, n) not in reports]
+    if missing:
+        raise ValueError(f"reports lacks {missing[0][0].value} at world size {missing[0][1]}: "
+                         "measure every stage at every world size of the panel.")
     width = w.Dropdown(options=sorted({32, 64, 128, 256, base.width}), value=base.width,
-                       description="layer width",
-                       layout=w.Layout(width="200px"))
-    out = w.Output()
-    button = _run_button(out, lambda: show_zero_run(
-        size.value, stage.value, dataclasses.replace(base, width=width.value)))
-    display(w.VBox([w.HBox([size, stage, width]), button, out]))
-    show_zero_run(world_size, strategy, base)
+                       description="layer width", layout=w.Layout(width="200px"))
+
+    def render(n: int, stage: Wrapper) -> None:
+        sent = next((t for t in traffic if t.world_size == n and t.strategy is stage), None)
+        _show_zero_report(n, stage, base, reports[(stage, n)], sent)
+
+    recorded_panel(
+        [Choice("world size", tuple((str(n), n) for n in world_sizes), world_size),
+         Choice("stage", tuple((s.value, s) for s in ZERO_STAGES), strategy)],
+        render, live=lambda n, stage: show_zero_run(
+            n, stage, dataclasses.replace(base, width=width.value)),
+        live_controls=[width])
 
 
 # --- chapter 7: FSDP in practice ----------------------------------------------------------------
@@ -350,7 +368,8 @@ def budget_calculator(config: RecipeConfig | None = None, world_size: int = 8,
     """Width, blocks, sequence, micro-batch, world size, dtype, checkpointing and
     accumulation of a transformer like the recipe's -> the closed form of each thing a rank
     holds at the peak of a step (:func:`labs.experiments.recipe.memory_budget`, arithmetic:
-    nothing runs). The default is shown at once; every change redraws."""
+    nothing runs). Every change redraws: in a notebook in Python, in the rendered book in
+    the browser (:func:`labs.viz.calculators.budget_calculator_html`)."""
     base = config or RecipeConfig(d_model=2048, n_heads=16, n_layers=24, seq_len=2048,
                                   batch_size=1)
     width = w.Dropdown(options=sorted({256, 512, 1024, 2048, 4096, 8192, base.d_model}),
@@ -365,7 +384,7 @@ def budget_calculator(config: RecipeConfig | None = None, world_size: int = 8,
                       indent=False, layout=w.Layout(width="150px"))
     accumulation = w.IntSlider(value=base.accumulation, min=1, max=16,
                                description="micro-batches")
-    out = w.Output()
+    out = w.Output(outputs=record(_show_budget, base, world_size, vocab))
 
     def show(*_: object) -> None:
         with out:
@@ -380,8 +399,12 @@ def budget_calculator(config: RecipeConfig | None = None, world_size: int = 8,
     controls = (width, blocks, seq, batch, ranks, dtype, ckpt, accumulation)
     for control in controls:
         control.observe(show, names="value")
-    display(w.VBox([w.HBox(list(controls[:4])), w.HBox(list(controls[4:])), out]))
-    _show_budget(base, world_size, vocab)
+    panel = WithBrowserFallback(
+        w.VBox([w.HBox(list(controls[:4])), w.HBox(list(controls[4:])), out]),
+        budget_calculator_html(base.d_model, base.n_heads, base.n_layers, base.seq_len,
+                               base.batch_size, vocab, world_size, base.dtype,
+                               base.activation_checkpointing, base.accumulation))
+    display(panel)
 
 
 def _show_budget(config: RecipeConfig, world_size: int, vocab: int) -> None:
@@ -412,23 +435,27 @@ def show_recipe_run(world_size: int, config: RecipeConfig) -> None:
     plt.close(fig)
 
 
-def recipe_panel(world_size: int = 2, config: RecipeConfig | None = None) -> None:
-    """World size, compute dtype, checkpointing, micro-batches and steps -> a training run
-    of the recipe on real ranks. The default run is shown at once, as ordinary output."""
+def recipe_panel(world_size: int = 2, config: RecipeConfig | None = None,
+                 world_sizes: Sequence[int] = (1, 2, 4), dtypes: Sequence[str] = ("fp32", "bf16")
+                 ) -> None:
+    """World size and compute dtype (recorded, switched in the browser) -> a training run of
+    the recipe on real ranks; beside the button, checkpointing, micro-batches and steps for a
+    new run of the chosen setting."""
     base = config or RecipeConfig(steps=10)
-    size = w.Dropdown(options=[1, 2, 4], value=world_size, description="world size")
-    dtype = w.Dropdown(options=["fp32", "bf16"], value=base.dtype, description="compute")
     ckpt = w.Checkbox(value=base.activation_checkpointing, description="checkpointing",
                       indent=False, layout=w.Layout(width="150px"))
-    accumulation = w.Dropdown(options=[1, 2, 4], value=base.accumulation,
-                              description="micro-batches")
+    accumulation = w.Dropdown(options=sorted({1, 2, 4, base.accumulation}),
+                              value=base.accumulation, description="micro-batches",
+                              layout=w.Layout(width="200px"))
     steps = w.IntSlider(value=base.steps, min=2, max=60, description="steps")
-    out = w.Output()
-    button = _run_button(out, lambda: show_recipe_run(size.value, dataclasses.replace(
-        base, dtype=dtype.value, activation_checkpointing=ckpt.value,
-        accumulation=accumulation.value, steps=steps.value)))
-    display(w.VBox([w.HBox([size, dtype, ckpt]), w.HBox([accumulation, steps]), button, out]))
-    show_recipe_run(world_size, base)
+    recorded_panel(
+        [Choice("world size", tuple((str(n), n) for n in world_sizes), world_size),
+         Choice("compute", tuple((d, d) for d in dtypes), base.dtype)],
+        lambda n, dtype: show_recipe_run(n, dataclasses.replace(base, dtype=dtype)),
+        live=lambda n, dtype: show_recipe_run(n, dataclasses.replace(
+            base, dtype=dtype, activation_checkpointing=ckpt.value,
+            accumulation=accumulation.value, steps=steps.value)),
+        live_controls=[ckpt, accumulation, steps])
 
 
 # --- chapter 8: beyond one node -----------------------------------------------------------------
@@ -438,34 +465,55 @@ def show_topology_run(settings: TopologySettings) -> None:
     """Both all-reduces on real ranks over the emulated topology: the table and the figure."""
     start = time.perf_counter()
     rows = measure_topology(settings)
+    print(f"measured in {time.perf_counter() - start:.1f} s on real ranks")
+    _show_topology_rows(settings, rows)
+
+
+def _show_topology_rows(settings: TopologySettings, rows: Sequence[TopologyRow]) -> None:
     print(f"{settings.size_bytes / 2**20:g} MiB all-reduced on nodes of {settings.node_size}: "
           f"intra {settings.intra.bandwidth / 1e6:g} MB/s, inter "
-          f"{settings.inter.bandwidth / 1e6:g} MB/s ({time.perf_counter() - start:.1f} s on "
-          "real ranks)")
+          f"{settings.inter.bandwidth / 1e6:g} MB/s")
     print(topology_table(rows))
     fig = plot_flat_vs_hierarchical(rows)
     display(fig)
     plt.close(fig)
 
 
-def topology_panel(settings: TopologySettings | None = None) -> None:
-    """Nodes, how much slower the link between nodes is, and the size -> the flat ring and
-    the hierarchical all-reduce on real ranks, measured beside the model. The default run is
-    shown at once, as ordinary output."""
-    base = settings or TopologySettings(nodes=(2,), size_bytes=4 << 20,
-                                        intra=Link(1e-3, 100e6), inter=Link(1e-3, 10e6))
-    nodes = w.Dropdown(options=[1, 2, 4], value=base.nodes[0], description="nodes")
-    ratio = w.Dropdown(options=[1, 2, 5, 10, 20], description="intra / inter",
-                       value=round(base.intra.bandwidth / base.inter.bandwidth))
-    size = w.Dropdown(options=[("1 MiB", 1 << 20), ("4 MiB", 4 << 20), ("16 MiB", 16 << 20)],
-                      value=base.size_bytes, description="size")
-    out = w.Output()
+def topology_panel(settings: TopologySettings | None = None, ratios: Sequence[int] = (1, 10),
+                   measured: dict[int, Sequence[TopologyRow]] | None = None) -> None:
+    """Nodes (``settings.nodes``) and how much slower the link between nodes is than the
+    node's own (``ratios``) -> the flat ring and the hierarchical all-reduce on real ranks,
+    measured beside the model, switched in the browser. ``measured`` holds the rows of any
+    ratio the chapter has timed already (:func:`labs.experiments.topology.measure_topology`
+    of ``settings`` at that ratio); the other ratios are measured here. The button runs the
+    chosen setting again at the size beside it."""
+    base = settings or TopologySettings(nodes=(2, 4), size_bytes=2 << 20,
+                                        intra=Link(1e-3, 50e6), inter=Link(1e-3, 5e6))
 
-    def chosen() -> TopologySettings:
-        inter = Link(base.inter.alpha, base.intra.bandwidth / ratio.value)
-        return dataclasses.replace(base, nodes=(nodes.value,), size_bytes=size.value,
+    def at(ratio: int, node_counts: Sequence[int], size: int) -> TopologySettings:
+        inter = Link(base.inter.alpha, base.intra.bandwidth / ratio)
+        return dataclasses.replace(base, nodes=tuple(node_counts), size_bytes=size,
                                    inter=inter)
 
-    button = _run_button(out, lambda: show_topology_run(chosen()))
-    display(w.VBox([w.HBox([nodes, ratio, size]), button, out]))
-    show_topology_run(base)
+    rows = {ratio: list((measured or {}).get(ratio) or measure_topology(
+        at(ratio, base.nodes, base.size_bytes))) for ratio in ratios}
+    for ratio, got in rows.items():
+        if sorted(r.nodes for r in got) != sorted(base.nodes):
+            raise ValueError(f"the rows at ratio {ratio} are for nodes "
+                             f"{sorted(r.nodes for r in got)}, the panel's settings for "
+                             f"{sorted(base.nodes)}: measure the same settings.")
+
+    def render(count: int, ratio: int) -> None:
+        row = next(r for r in rows[ratio] if r.nodes == count)
+        _show_topology_rows(at(ratio, (count,), base.size_bytes), [row])
+
+    sizes = sorted({1 << 20, 2 << 20, 4 << 20, 16 << 20, base.size_bytes})
+    size = w.Dropdown(options=[(format_size(b), b) for b in sizes], value=base.size_bytes,
+                      description="size")
+    default_ratio = round(base.intra.bandwidth / base.inter.bandwidth)
+    recorded_panel(
+        [Choice("nodes", tuple((str(n), n) for n in base.nodes), base.nodes[0]),
+         Choice("intra / inter", tuple((f"{r}x", r) for r in ratios),
+                default_ratio if default_ratio in ratios else None)],
+        render, live=lambda count, ratio: show_topology_run(at(ratio, (count,), size.value)),
+        live_controls=[size])
