@@ -33,6 +33,7 @@ from labs.grading.grader import (
     match_chapter,
 )
 from labs.grading.handout import METADATA_KEY, load_chapters, release, release_notebook, stub_source
+from labs.grading.isolation import isolation_problem
 from labs.grading.notebook import (
     CellTag,
     Chapter,
@@ -301,8 +302,17 @@ def test_the_sweep_kills_what_a_stage_started_orphans_included():
 # --- end to end: real kernels, nbval, real ranks -----------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def sandbox_here():
+    """Grading runs learners' code in a sandbox; where this machine cannot make one, the
+    end-to-end tests skip and say why (tests/test_grading_isolation.py tests the refusal)."""
+    problem = isolation_problem()
+    if problem:
+        pytest.skip(f"grading needs a sandbox, and this machine cannot make one: {problem}")
+
+
 @pytest.fixture
-def no_leftovers():
+def no_leftovers(sandbox_here):
     """Fails the test if grading left a process running under pytest."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield

@@ -69,8 +69,14 @@ def _model_order(nb: nbformat.NotebookNode, state: dict[str, dict]) -> list[str]
         if model in state:
             queue.extend(_REFERENCE.findall(json.dumps(state[model], sort_keys=True)))
 
+    # A model nothing displays (a jslink's Link) is known by its content, the models it
+    # refers to named by their place in the order: links that differ only in which control
+    # and stack they tie keep one order, whatever ids the kernel drew.
+    place = {model: i for i, model in enumerate(order)}
+
     def content(model: str) -> str:
-        return _REFERENCE.sub("IPY_MODEL_", json.dumps(state[model], sort_keys=True))
+        return _REFERENCE.sub(lambda ref: f"IPY_MODEL_{place.get(ref.group(1), '?')}",
+                              json.dumps(state[model], sort_keys=True))
 
     return order + sorted((m for m in state if m not in order), key=content)
 

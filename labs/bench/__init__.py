@@ -8,6 +8,7 @@
     python -m labs.bench ddp [--world-size 2] [--bucket-cap-mb 25] [--launches 3] (see --help)
     python -m labs.bench fsdp [--memory-world-size 4] [--time-world-size 2] (see --help)
     python -m labs.bench topology [--nodes 2 4 8] [--node-size 2] [--size 16M] (see --help)
+    python -m labs.bench grading [--repeats 5] [--chapter 04_all_gather.ipynb]
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a
 fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 from labs.bench.collectives import add_collectives_parser, collectives_main
 from labs.bench.ddp import add_ddp_parser, ddp_main
 from labs.bench.fsdp import add_fsdp_parser, fsdp_main
+from labs.bench.grading import add_grading_parser, grading_main
 from labs.bench.topology import add_topology_parser, topology_main
 from labs.launcher import StartMethod, launch
 from labs.tables import format_table
@@ -95,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_ddp_parser(sub)
     add_fsdp_parser(sub)
     add_topology_parser(sub)
+    add_grading_parser(sub)
     opts = parser.parse_args(argv)
     if opts.bench == "launch":
         print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
@@ -104,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         fsdp_main(opts, sub.choices["fsdp"])
     elif opts.bench == "topology":
         topology_main(opts, sub.choices["topology"])
+    elif opts.bench == "grading":
+        grading_main(opts)
     else:
         collectives_main(opts, sub.choices["collectives"])
 

@@ -8,7 +8,9 @@ its judge and its explanations (and, where they are long, its cases and referenc
 the ``*_cases`` module beside it). The skeleton: :mod:`labs.checks.core` (the verdict, the
 validation, the plan of what a seed runs, the run over world sizes, reading a failed or hung
 launch) and :mod:`labs.checks.watch` (what the ranks patch and count in
-``torch.distributed``). A notebook imports every check from here:
+``torch.distributed``). Inside every check the library's own solution of the exercise is
+refused (:mod:`labs.checks.answer_keys`, :class:`AnswerKeyUsed`). A notebook imports every check
+from here:
 ``from labs.checks import check_ring_all_reduce``.
 
 ``seed=0`` runs the documented cases. Any other seed also draws hidden cases from
@@ -16,6 +18,7 @@ launch) and :mod:`labs.checks.watch` (what the ranks patch and count in
 drew, so that a grader's verdict can be rerun by hand.
 """
 
+from labs.checks.answer_keys import AnswerKeyUsed
 from labs.checks.collectives import (
     CollectiveUsedError,
     check_composed_all_reduce,
@@ -37,6 +40,7 @@ from labs.checks.zero import (
 from labs.checks.zero_grad import check_fsdp_linear_backward, check_zero2_grad_hook
 
 __all__ = [
+    "AnswerKeyUsed",
     "CheckResult",
     "CollectiveUsedError",
     "Exercise",

@@ -9,6 +9,8 @@ float32, so every sum is exact and the comparison is ``torch.equal``. Inside eve
 * the collectives of ``torch.distributed`` (and the matching methods of ``ProcessGroup``)
   raise :class:`CollectiveUsedError`: the exercise is to build them from point-to-point
   messages;
+* labs' own collectives (:mod:`labs.checks.answer_keys`) raise
+  :class:`~labs.checks.answer_keys.AnswerKeyUsed`: they are the exercise's answer key;
 * ``ProcessGroup.send`` counts the bytes the rank sends, so the check can hold the answer to
   the ring's volume: 2(N-1)/N·S per rank for an all-reduce, (N-1)/N·S for a reduce-scatter
   or an all-gather, S being the size of the whole tensor, rounded up to whole chunks: at
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.collectives_cases import Case, Exercise, Plan, gather_full, rank_input
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
@@ -121,9 +124,10 @@ def _call(fn: Callable[..., Any], exercise: Exercise, seed: int, n: int, rank: i
 
 def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Exercise,
               cases: tuple[Case, ...], seed: int) -> list[_Outcome]:
-    """Runs every case on this rank, with collectives refused and sends counted."""
+    """Runs every case on this rank, with collectives and labs' own answers refused and sends
+    counted."""
     outcomes = []
-    with _point_to_point_only(exercise) as traffic:
+    with _point_to_point_only(exercise) as traffic, answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             traffic.sent = 0.0
             with case_noted(index):

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from labs.checks.answer_keys import AnswerKeyUsed
 from labs.launcher import MAX_WORLD_SIZE, LaunchTimeout, RankError, RankFailure, launch
 
 _CaseT = TypeVar("_CaseT")
@@ -166,7 +167,9 @@ def run_check(
     raised (``explain_error(n, err)``), ranks that hung (``explain_timeout(n, err, where)``,
     ``where`` naming the learner's line a rank waited at, unless the ranks were still
     starting: :func:`explain_hang`), or a wrong result (``judge(n, results)``, "" when right).
-    If none, the check passes with the message ``passed``. The plan's note ends every
+    If none, the check passes with the message ``passed``. A rank whose learner's code called
+    one of the exercise's answer keys (:mod:`labs.checks.answer_keys`) makes the verdict that
+    refusal, in one line, whatever the other ranks raised. The plan's note ends every
     message, so that the verdict names what the seed drew. ``launcher`` starts the ranks
     (:func:`labs.launcher.launch`; a check may pass the one it looks up itself)."""
 
@@ -180,7 +183,7 @@ def run_check(
             results = launcher(worker, n, args=args(n), backend="gloo", timeout=timeout,
                                echo=False, failure_grace=CHECK_FAILURE_GRACE_S)
         except RankError as err:
-            return verdict(False, explain_error(n, err))
+            return verdict(False, answer_key_refusal(err) or explain_error(n, err))
         except LaunchTimeout as err:
             starting, where = explain_hang(n, err, timeout)
             return verdict(False, starting or explain_timeout(n, err, where))
@@ -247,6 +250,15 @@ def failing_rank(err: RankError) -> RankFailure:
     same = sorted((f for f in err.secondary if f.exc_type == err.exc_type and f.rank < err.rank
                    and not f.peer_lost), key=lambda f: f.rank)
     return same[0] if same else err.failure
+
+
+def answer_key_refusal(err: RankError) -> str:
+    """The refusal's message when a rank raised :class:`AnswerKeyUsed` (the lowest such
+    rank's, so that the verdict is the same every run, even where another rank raised
+    something else first), or ""."""
+    refused = sorted((f for f in (err.failure, *err.secondary)
+                      if f.exc_type == AnswerKeyUsed.__name__), key=lambda f: f.rank)
+    return refused[0].message.splitlines()[0] if refused else ""
 
 
 def raised(named: RankFailure, hint: str = "") -> str:

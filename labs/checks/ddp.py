@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
     CheckResult,
@@ -138,9 +139,10 @@ def _train(rank: int, world_size: int, wrapper_class: type, exercise: DDPExercis
 
 def _rank_run(rank: int, world_size: int, wrapper_class: type, exercise: DDPExercise,
               cases: tuple[Case, ...], widths: Widths, seed: int) -> list[_CaseRecord]:
-    """Runs every case on this rank with the all-reduces watched."""
+    """Runs every case on this rank with the all-reduces watched and labs' own wrappers
+    refused."""
     records = []
-    with watched_all_reduces() as log:
+    with watched_all_reduces() as log, answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             with case_noted(index):
                 records.append(_train(rank, world_size, wrapper_class, exercise, case, widths,

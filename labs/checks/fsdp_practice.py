@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 import torch
 from torch.distributed import distributed_c10d
 
+from labs.checks.answer_keys import AnswerKeyUsed, answer_keys_refused
 from labs.checks.collectives import CollectiveUsedError
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
@@ -151,7 +152,8 @@ def _clip_rank(rank: int, world_size: int, fn: Callable[..., Any],
     """Calls the learner's function once per case with this rank's shards, collectives
     watched."""
     results = []
-    with counted_collectives(_refusals()) as traffic, _counted_all_reduces() as reduces:
+    with counted_collectives(_refusals()) as traffic, _counted_all_reduces() as reduces, \
+            answer_keys_refused(PracticeExercise.CLIP_SHARDS.value):
         for index, case in enumerate(cases):
             shards = rank_shards(seed, world_size, index, case, rank)  # 1-D, k each
             given = list(shards)
@@ -572,7 +574,13 @@ def check_shard_pieces(
     problem = signature_problem(exercise.function, exercise.parameters, shard_pieces)
     if problem:
         return verdict(False, problem)
-    run, where = _run_pieces(shard_pieces, plan, timeout)
+    try:
+        # Entered here, not in the thread: a call that never returns must not leave the
+        # learner's process with labs' shard_pieces refused.
+        with answer_keys_refused(exercise.value):
+            run, where = _run_pieces(shard_pieces, plan, timeout)
+    except AnswerKeyUsed as refused:
+        return verdict(False, str(refused))
     wrong = _judge_pieces(plan, run, timeout, where)
     if wrong:
         return verdict(False, wrong)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, distributed_c10d
 
+from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.collectives import CollectiveUsedError
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
@@ -161,7 +162,8 @@ def _hier_rank(rank: int, world_size: int, fn: Callable[..., Any], layouts: tupl
     """Calls the learner's function for every layout and tensor size, sends watched."""
     groups = [_groups(layout, rank) for layout in layouts]  # before watching: no send counted
     results = []
-    with _watched_sends() as sends:
+    with _watched_sends() as sends, \
+            answer_keys_refused(TopologyExercise.HIERARCHICAL_ALL_REDUCE.value):
         for li, (layout, (node, cross)) in enumerate(zip(layouts, groups, strict=True)):
             sends.node_size = layout.node_size
             calls = []
@@ -336,7 +338,7 @@ def _mlp_rank(rank: int, world_size: int, fn: Callable[..., Any], cases: tuple[M
     """Calls the learner's function once per case with this rank's slices, collectives
     counted."""
     results = []
-    with _counted_collectives() as log:
+    with _counted_collectives() as log, answer_keys_refused(TopologyExercise.TP_MLP_FORWARD.value):
         for index, case in enumerate(cases):
             args = rank_weights(mlp_weights(seed, world_size, index, case), case, world_size,
                                 rank)

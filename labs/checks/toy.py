@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
     CheckPlan,
@@ -99,7 +100,8 @@ def _run_average_gradients(
     model = _CheckModel(widths)
     for name, grad in _check_gradients(rank, seed, widths).items():
         model.get_parameter(name).grad = grad.clone()
-    average_gradients(model)
+    with answer_keys_refused("1.1"):
+        average_gradients(model)
     return {
         name: None if p.grad is None else p.grad.detach().clone()
         for name, p in model.named_parameters()

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.collectives import CollectiveUsedError
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
@@ -217,7 +218,8 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Zero
            ZeroExercise.REDUCE_SCATTER_GRAD: _run_grad}[exercise]
     results = []
     inputs: list[object] = []  # alive until the end: what the learner hangs on them is held
-    with counted_collectives(_refusals(exercise)) as traffic:
+    with counted_collectives(_refusals(exercise)) as traffic, \
+            answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             with case_noted(index):
                 results.append(run(fn, rank, world_size, index, case, seed, traffic, inputs))

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.collectives import CollectiveUsedError
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
@@ -236,7 +237,8 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Zero
     run = _run_hook if exercise is ZeroExercise.GRAD_HOOK else _run_backward
     results = []
     keep: list[object] = []  # alive until the end: what the learner hangs on them is held
-    with counted_collectives(_refusals(exercise)) as traffic:
+    with counted_collectives(_refusals(exercise)) as traffic, \
+            answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             with case_noted(index):
                 results.append(run(fn, rank, world_size, index, case, seed, traffic, keep))

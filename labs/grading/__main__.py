@@ -17,6 +17,7 @@ from pathlib import Path
 
 from labs.grading.grader import DEFAULT_REFERENCE_DIR, DEFAULT_TIMEOUT_S, GradeSettings, grade
 from labs.grading.handout import release
+from labs.grading.isolation import Isolation
 from labs.grading.notebook import GradingError
 
 EXIT_FAILED = 1
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     gr.add_argument("--no-hidden", action="store_true", help="run the visible cases only")
     gr.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help="seconds each stage of an exercise may take (default %(default)s)")
+    gr.add_argument("--no-isolation", action="store_true",
+                    help="run the learners' code with your rights, not in a sandbox (only "
+                         "where no sandbox can be made; the report says so)")
     gr.add_argument("--keep", type=Path, metavar="DIR",
                     help="keep the generated notebooks and logs in DIR")
     for command in (rel, gr):
@@ -57,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         settings = GradeSettings(reference_dir=args.reference, seed=args.seed,
                                  timeout=args.timeout, hidden=not args.no_hidden,
-                                 keep=args.keep)
+                                 keep=args.keep,
+                                 isolation=Isolation.NONE if args.no_isolation
+                                 else Isolation.SANDBOX)
         report = grade(args.notebooks, settings, progress=True)
     except GradingError as err:
         print(f"error: {err}", file=sys.stderr)

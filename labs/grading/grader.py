@@ -18,6 +18,15 @@ So printing a fake verdict, editing stored outputs, or redefining or monkeypatch
 checker or ``launch`` in a cell changes nothing the judge sees. Each exercise is graded on its
 own: the other exercises' code comes from the reference, so one broken exercise fails only
 itself. Processes started by a stage are killed when it ends (:mod:`labs.grading.sandbox`).
+
+Both stages' kernels (and the ranks they start) run in a sandbox
+(:mod:`labs.grading.isolation`): they read the Python environment and write only the
+exercise's scratch folder, which holds the composed notebook; the reference notebooks, the
+rest of the disk and the network beyond their own loopback are out of reach. Inside the
+checks, the library's own solution of the exercise is refused
+(:mod:`labs.checks.answer_keys`). ``grade`` refuses to start where no sandbox can be made,
+unless the instructor asks for ``isolation=Isolation.NONE`` (``--no-isolation``), and the
+report then says so.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from tqdm.auto import tqdm
 
 from labs.grading import submission
 from labs.grading.handout import METADATA_KEY, load_chapters
+from labs.grading.isolation import Isolation, isolated, isolation_problem
 from labs.grading.notebook import Chapter, ExerciseCells, GradingError, learner_cells
 from labs.grading.sandbox import ProcessSweep
 
@@ -57,6 +67,9 @@ DEFAULT_TIMEOUT_S = 300.0
 VERDICT_REGEX = r"(?s)^(PASS|FAIL): (Exercise \d+\.\d+)\b.*"
 VERDICT_REPLACE = r"\1: \2"
 _REASON_WIDTH = 110
+#: Ends the report of a grading run without a sandbox.
+NO_ISOLATION_NOTE = ("graded WITHOUT isolation (--no-isolation): the learners' code ran with "
+                     "the grader's rights, beside the reference notebooks")
 _ANSI = re.compile(r"(\x1b|#x1B)\[[0-9;]*m")  # junit XML writes ESC as "#x1B"
 _CURRENT_ENV = "labs-grading-current-env"
 _SOCKETS = "kernel-socket"  # prefix of the stage-1 kernel's ipc socket files (not kept)
@@ -84,6 +97,9 @@ class GradeSettings:
     """Also run every check with ``seed=`` (hidden cases)."""
     keep: Path | None = None
     """Keep the generated notebooks, pickles and nbval reports here (for debugging)."""
+    isolation: Isolation = Isolation.SANDBOX
+    """Run the learner's code in a sandbox (:mod:`labs.grading.isolation`), or, with
+    ``Isolation.NONE``, with the grader's own rights."""
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -126,6 +142,7 @@ class NotebookGrade:
 class Report:
     seed: int | None
     notebooks: tuple[NotebookGrade, ...] = field(default=())
+    isolation: Isolation = Isolation.SANDBOX
 
     @property
     def score(self) -> int:
@@ -150,11 +167,14 @@ class Report:
         seed = (f"hidden cases drawn with seed {self.seed}; rerun them with --seed "
                 f"{self.seed}" if self.seed else "no hidden cases")
         lines += ["", f"total: {self.score}/{self.total} exercises passed ({seed})"]
+        if self.isolation is Isolation.NONE:
+            lines.append(NO_ISOLATION_NOTE)
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, object]:
         return {
             "seed": self.seed, "passed": self.score, "total": self.total,
+            "isolation": self.isolation.value,
             "notebooks": [{
                 "path": str(n.path), "chapter": n.chapter, "passed": n.score,
                 "total": len(n.exercises),
@@ -211,6 +231,14 @@ def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = Fa
         raise GradingError("give at least one learner notebook to grade.")
     chapters = load_chapters(settings.reference_dir)
     plan = [(Path(p), match_chapter(Path(p), chapters)) for p in paths]  # before any process
+    if settings.isolation is Isolation.SANDBOX:
+        problem = isolation_problem()
+        if problem:
+            raise GradingError(
+                f"grading runs every learner's code in a sandbox, and this machine cannot "
+                f"make one: {problem}. Grade where it can, or pass --no-isolation to grade "
+                "without it (the learners' code then runs with your rights, beside the "
+                "reference notebooks; the report says so).")
     seed = None if not settings.hidden else settings.seed or random.SystemRandom().randrange(
         1, 1_000_000)
     root = Path(tempfile.mkdtemp(prefix="labs-grading-"))
@@ -226,7 +254,7 @@ def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = Fa
                     work = root / f"{index:03d}-{path.stem}" / ex.exercise
                     work.mkdir(parents=True)
                     grades.append(grade_exercise(chapter, learner, ex, seed, settings.timeout,
-                                                 work))
+                                                 work, settings.isolation))
                     bar.update()
                 graded.append(NotebookGrade(path, chapter.name, tuple(grades)))
     finally:
@@ -234,7 +262,7 @@ def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = Fa
             shutil.copytree(root, settings.keep, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns(f"{_SOCKETS}*"))
         shutil.rmtree(root, ignore_errors=True)
-    return Report(seed, tuple(graded))
+    return Report(seed, tuple(graded), settings.isolation)
 
 
 def _read_learner(path: Path) -> nbformat.NotebookNode | str:
@@ -246,7 +274,8 @@ def _read_learner(path: Path) -> nbformat.NotebookNode | str:
 
 
 def grade_exercise(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: ExerciseCells,
-                   seed: int | None, timeout: float, work: Path) -> ExerciseGrade:
+                   seed: int | None, timeout: float, work: Path,
+                   isolation: Isolation = Isolation.SANDBOX) -> ExerciseGrade:
     """Collect the learner's functions for one exercise, then judge them."""
     start = time.perf_counter()
 
@@ -262,11 +291,11 @@ def grade_exercise(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: E
         return fail(f"no cell of the notebook is tagged solution/exercise-{ex.exercise}: write "
                     "your code in the exercise's cell (keep its tags).")
     with ProcessSweep():
-        problem = _collect(chapter, learner, ex, cells, timeout, work)
+        problem = _collect(chapter, learner, ex, cells, timeout, work, isolation)
     if problem:
         return fail(*problem)
     with ProcessSweep():
-        verdict = _judge(chapter, ex, seed, timeout, work)
+        verdict = _judge(chapter, ex, seed, timeout, work, isolation)
     passed, reason, details, checks = verdict
     if not passed:
         return fail(reason, details, checks)
@@ -278,12 +307,19 @@ def grade_exercise(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: E
 
 
 class _CurrentEnvSpecs(KernelSpecManager):
-    """Kernels run this interpreter (the one with ``labs``), whatever kernels are installed."""
+    """Kernels run this interpreter (the one with ``labs``), whatever kernels are installed;
+    with a ``sandbox`` folder, inside a sandbox whose scratch folder it is."""
+
+    def __init__(self, sandbox: Path | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.sandbox = sandbox
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         if kernel_name == _CURRENT_ENV:
-            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
-                                          **ipykernel.kernelspec.get_kernel_dict())
+            spec = dict(ipykernel.kernelspec.get_kernel_dict())
+            if self.sandbox is not None:
+                spec["argv"] = isolated(spec["argv"], scratch=self.sandbox)
+            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES, **spec)
         return super().get_kernel_spec(kernel_name)
 
 
@@ -301,7 +337,8 @@ def _notebook(cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
 
 
 def _collect(chapter: Chapter, learner: nbformat.NotebookNode, ex: ExerciseCells,
-             cells: list[str], timeout: float, work: Path) -> tuple[str, str] | None:
+             cells: list[str], timeout: float, work: Path,
+             isolation: Isolation = Isolation.SANDBOX) -> tuple[str, str] | None:
     """Stage 1. Returns (reason, details) when the learner's functions cannot be had."""
     nb_cells = [_code(s) for s in chapter.sources(chapter.setup)]
     for other in chapter.exercises:
@@ -314,9 +351,14 @@ def _collect(chapter: Chapter, learner: nbformat.NotebookNode, ex: ExerciseCells
         "import labs.grading.submission as _labs_grading\n"
         f"_labs_grading.export(globals(), {ex.submitted!r}, {str(exported)!r})"))
     nb = _notebook(nb_cells)
-    # ipc: a local socket file rather than TCP (ipykernel warns about unencrypted TCP)
-    km = AsyncKernelManager(kernel_name=_CURRENT_ENV, kernel_spec_manager=_CurrentEnvSpecs(),
-                       transport="ipc", ip=str(work / _SOCKETS))
+    # ipc: a local socket file rather than TCP (ipykernel warns about unencrypted TCP). The
+    # socket files and the connection file live in the scratch folder, which a sandboxed
+    # kernel sees at the same path: the grader reaches it there, with no network between.
+    sandbox = work if isolation is Isolation.SANDBOX else None
+    km = AsyncKernelManager(kernel_name=_CURRENT_ENV,
+                            kernel_spec_manager=_CurrentEnvSpecs(sandbox=sandbox),
+                            transport="ipc", ip=str(work / _SOCKETS),
+                            connection_file=str(work / "kernel.json"))
     client = NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=True,
                             resources={"metadata": {"path": str(work)}})
     try:
@@ -356,7 +398,8 @@ def _first_error(cells: object) -> tuple[str, str] | None:
 
 
 def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float,
-           work: Path) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
+           work: Path, isolation: Isolation = Isolation.SANDBOX
+           ) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
     """Stage 2. Returns (passed, reason, details, per-check verdicts)."""
     verdicts_path = work / "verdicts.json"
     cells = [_code(s) for s in judge_prelude(chapter, ex)]
@@ -385,6 +428,8 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
         f"--nbval-cell-timeout={int(timeout)}", "--nbval-sanitize-with", "sanitize.cfg",
         "--junitxml", "junit.xml",
     ]
+    if isolation is Isolation.SANDBOX:  # nbval's kernel too: it runs the learner's functions
+        command = isolated(command, scratch=work)
     try:
         run = subprocess.run(command, cwd=work, capture_output=True, text=True,
                              timeout=timeout, check=False)

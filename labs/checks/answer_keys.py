@@ -1,0 +1,262 @@
+"""The answer keys: the objects of ``labs`` that solve an exercise, refused while its check runs
+the learner's code.
+
+``labs`` is the course's library, and most exercises ask the learner to write something it
+already holds: exercise 2.1's ring all-reduce is :func:`labs.collectives.ring_all_reduce`,
+7.2's resharding is :func:`labs.checkpoint.shard_pieces`. Learners must have ``labs``
+installed to run the notebooks, so a check must tell "wrote it" from "called it".
+:data:`ANSWER_KEYS` lists, per exercise, the objects a learner could call instead of writing
+the exercise (not the primitives the exercise tells them to use: 8.1 is built from labs' rings,
+so the rings stay allowed there, and point-to-point sends are allowed everywhere), and
+:func:`answer_keys_refused` refuses them while a check runs the learner's code.
+
+A refusal must catch every way of reaching the object: ``from labs.collectives import
+ring_all_reduce as mine``, ``importlib.import_module("labs." + "collectives")``, a reference
+kept from before the check started, a subclass. Replacing module attributes reaches none of
+the last three, so the refusal replaces the function's *code* (``__code__``): every name and
+alias leads to the same function object, and that object now raises. A class is refused at
+construction (its ``__init__``), a method as its function, a decorated function as the
+function it wraps. The code is given back on exit, raise or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import textwrap
+import types
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from labs.tables import format_table
+
+# --- which objects solve which exercise -------------------------------------------------------
+
+#: labs' all-reduces, each one exercise 2.1's answer (and 4.2's).
+_ALL_REDUCES = (
+    "labs.collectives.ring_all_reduce",
+    "labs.collectives.all_reduce",
+    "labs.collectives.naive_all_reduce",
+    "labs.collectives.whole_tensor_ring_all_reduce",
+    "labs.collectives.recursive_doubling_all_reduce",
+    "labs.collectives.hierarchical_all_reduce",
+)
+#: labs' ring engine, which runs the steps of any of its rings: refused with them in chapters
+#: 2-4, it also stops a copy of their code (``types.FunctionType(ring_all_reduce.__code__,
+#: ...)`` made before the check) that the refusal of the functions themselves cannot reach.
+_RING_ENGINE = ("labs.ring_schedule.run_ring", "labs.ring_schedule.execute")
+#: labs' reduce-scatters (exercise 3.1).
+_REDUCE_SCATTERS = ("labs.collectives.ring_reduce_scatter", "labs.collectives.reduce_scatter")
+#: labs' all-gathers (exercise 4.1).
+_ALL_GATHERS = ("labs.collectives.ring_all_gather", "labs.collectives.all_gather")
+#: Chapter 5's wrappers with what they are made of: the broadcast at construction and the
+#: averaging after backward (one flat all-reduce in chapter 1 does it as well).
+_NAIVE_DDP = (
+    "labs.ddp.NaiveDDP",
+    "labs.ddp.NaiveDDP.finish_gradient_synchronization",
+    "labs.ddp.broadcast_state",
+    "labs.toy_allreduce.all_reduce_gradients_flat",
+)
+_BUCKETED_DDP = (
+    "labs.ddp.DDP",
+    "labs.ddp.DDP.finish_gradient_synchronization",
+    "labs.ddp.assign_buckets",
+    "labs.ddp.broadcast_state",
+)
+
+#: Exercise id -> the dotted paths of the ``labs`` objects that solve it: functions, classes
+#: (refused at construction) and methods (``labs.fsdp.FSDP.clip_grad_norm_``). Chapters 2-4
+#: ask for a collective from point-to-point messages, so an all-reduce (2.1, 4.2) refuses the
+#: two halves too, which make one (chapter 4), and each refuses labs' ring engine. Three keys
+#: are private methods, because that is where labs keeps the step the exercise asks for: ZeRO's
+#: gradient reduce-scatter (6.3), its stage-2 hook (6.4) and FSDP's post-backward
+#: reduce-scatter (6.5).
+ANSWER_KEYS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "1.1": ("labs.toy_allreduce.all_reduce_gradients_flat", "labs.ddp.NaiveDDP",
+            "labs.ddp.NaiveDDP.finish_gradient_synchronization"),
+    "2.1": _ALL_REDUCES + _REDUCE_SCATTERS + _ALL_GATHERS + _RING_ENGINE,
+    "3.1": _REDUCE_SCATTERS + _RING_ENGINE,
+    "4.1": _ALL_GATHERS + _RING_ENGINE,
+    "4.2": _ALL_REDUCES + _REDUCE_SCATTERS + _ALL_GATHERS + _RING_ENGINE,
+    "5.1": _NAIVE_DDP + ("labs.ddp.DDP", "labs.ddp.DDP.finish_gradient_synchronization"),
+    "5.2": _BUCKETED_DDP,
+    "6.1": ("labs.zero.ShardedOptimizer", "labs.zero.ShardedOptimizer.step"),
+    "6.2": ("labs.fsdp.FSDP", "labs.fsdp.FSDP.unshard", "labs.fsdp.FSDP.reshard"),
+    "6.3": ("labs.zero.ShardedOptimizer._reduce_scatter",),
+    "6.4": ("labs.zero.ShardedOptimizer", "labs.zero.ShardedOptimizer._reduce_now",
+            "labs.zero.ShardedOptimizer._reduce_scatter"),
+    "6.5": ("labs.fsdp.FSDP", "labs.fsdp.FSDP.unshard", "labs.fsdp.FSDP.reshard",
+            "labs.fsdp.FSDP._post_backward"),
+    "7.1": ("labs.fsdp.FSDP", "labs.fsdp.FSDP.clip_grad_norm_"),
+    "7.2": ("labs.checkpoint.shard_pieces",),
+    "8.1": ("labs.collectives.hierarchical_all_reduce",),
+    "8.2": ("labs.tensor_parallel.ParallelMLP", "labs.tensor_parallel.ParallelMLP.forward",
+            "labs.tensor_parallel.ColumnParallelLinear",
+            "labs.tensor_parallel.ColumnParallelLinear.forward",
+            "labs.tensor_parallel.RowParallelLinear",
+            "labs.tensor_parallel.RowParallelLinear.forward"),
+})
+
+#: Exercise id -> what the learner writes in it: the name its check cell passes to the check.
+LEARNER_FUNCTIONS: Mapping[str, str] = types.MappingProxyType({
+    "1.1": "average_gradients", "2.1": "my_ring_all_reduce", "3.1": "ring_reduce_scatter",
+    "4.1": "ring_all_gather", "4.2": "all_reduce", "5.1": "SimpleDDP", "5.2": "BucketedDDP",
+    "6.1": "sharded_sgd_step", "6.2": "fsdp_linear_forward", "6.3": "reduce_scatter_grad",
+    "6.4": "zero2_grad_hook", "6.5": "fsdp_linear_backward", "7.1": "clip_shards_",
+    "7.2": "shard_pieces", "8.1": "hierarchical_all_reduce_", "8.2": "tp_mlp_forward",
+})
+
+
+class AnswerKeyUsed(RuntimeError):
+    """Raised where a check runs the learner's code and that code calls one of the exercise's
+    answer keys (under any name). Its message is the verdict's: which exercise, which key."""
+
+
+def refusal_message(exercise: str, key: str) -> str:
+    """The one line a refusal says, the same on every run."""
+    return (f"exercise {exercise} asks you to write this; `{key}` is its answer key (labs' own "
+            "solution), refused while the check runs your code.")
+
+
+def answer_key_table() -> str:
+    """Every exercise, the function the learner writes, and its answer keys (one row per key),
+    as a fixed-width table for the grading appendix."""
+    rows = [[exercise if i == 0 else "", LEARNER_FUNCTIONS[exercise] if i == 0 else "", key]
+            for exercise, keys in ANSWER_KEYS.items() for i, key in enumerate(keys)]
+    return format_table(["exercise", "learner's function", "answer keys"], rows)
+
+
+# --- finding the code to refuse ---------------------------------------------------------------
+
+
+def answer_key(path: str) -> object:
+    """The object a dotted path names (``labs.fsdp.FSDP.clip_grad_norm_``): the longest prefix
+    that is a module, imported, then attributes (read from a class's ``__dict__``, so that a
+    classmethod or staticmethod comes back as itself, not bound)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = (inspect.getattr_static(obj, name) if inspect.isclass(obj)
+                   else getattr(obj, name))
+        return obj
+    raise ModuleNotFoundError(f"{path}: no module of it can be imported.")
+
+
+def refused_function(path: str) -> types.FunctionType:
+    """The function whose code :func:`answer_keys_refused` replaces for key ``path``: a
+    class's own ``__init__``, a method's function, a decorated function's innermost
+    (``__wrapped__``). TypeError for anything else: it could not be refused."""
+    obj = answer_key(path)
+    if inspect.isclass(obj):
+        obj = obj.__dict__.get("__init__")
+        if obj is None:
+            # Its inherited __init__ serves other classes too: refusing it would refuse them.
+            raise TypeError(f"{path} defines no __init__ of its own: list the function that "
+                            "does the work instead.")
+    if isinstance(obj, (classmethod, staticmethod)):
+        obj = obj.__func__
+    function = inspect.unwrap(obj) if callable(obj) else obj
+    if not isinstance(function, types.FunctionType):
+        raise TypeError(f"{path} is a {type(function).__name__}, not a Python function or "
+                        "class: its code cannot be refused.")
+    return function
+
+
+#: Stands, in the template's source, for the refusal a stub calls: each stub's constants hold
+#: its scope's refusal in its place.
+_REFUSAL_SLOT = "labs.checks.answer_keys: the scope's refusal"
+
+
+def _stub(*args: Any, **kwargs: Any) -> NoReturn:
+    """The code a refused answer key runs instead of its own: the refusal of its scope."""
+    refuse: Callable[[], NoReturn] = _REFUSAL_SLOT  # type: ignore[assignment]
+    return refuse()
+
+
+def _refusing_code(original: types.CodeType, refuse: Callable[[], NoReturn]) -> types.CodeType:
+    """:func:`_stub`'s code for a function of code ``original``, calling ``refuse``.
+
+    A function's new code must have as many free variables as its closure has cells, so the
+    stub is compiled inside a function that gives it that many (never read). It is compiled
+    from :func:`_stub`'s own source, on the same lines of this file, so that a traceback
+    through it shows those lines; its name is the key's."""
+    free = [f"_free{i}" for i in range(len(original.co_freevars))]
+    source, first = inspect.getsourcelines(_stub)
+    body = textwrap.indent("".join(source), "    ").replace(
+        "_REFUSAL_SLOT  # type: ignore[assignment]", repr(_REFUSAL_SLOT))
+    lines = "\n" * (first - 3) + "def _outer():\n    " + " = ".join([*free, "None"]) + "\n"
+    lines += body + (f"        {', '.join(free)}\n" if free else "") + "    return _stub\n"
+    module = compile(lines, __file__, "exec")
+    outer = next(c for c in module.co_consts if isinstance(c, types.CodeType))
+    stub = next(c for c in outer.co_consts if isinstance(c, types.CodeType))
+    if _REFUSAL_SLOT not in stub.co_consts:  # _stub's text changed: it would read a global
+        raise RuntimeError("labs.checks.answer_keys._stub must assign _REFUSAL_SLOT to refuse.")
+    names = {"co_name": original.co_name}
+    if hasattr(original, "co_qualname"):  # Python 3.11+
+        names["co_qualname"] = original.co_qualname
+    return stub.replace(co_consts=tuple(refuse if c == _REFUSAL_SLOT else c
+                                        for c in stub.co_consts), **names)
+
+
+# --- refusing them ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Refusals:
+    """One scope's refusals: which exercise, and the keys its learner's code called."""
+
+    exercise: str
+    used: list[str] = field(default_factory=list)
+
+    def refusal(self, key: str) -> Callable[[], NoReturn]:
+        """What key ``key``'s stub calls: record the call, raise."""
+
+        def refuse() -> NoReturn:
+            self.used.append(key)
+            raise AnswerKeyUsed(refusal_message(self.exercise, key))
+
+        return refuse
+
+    def first(self) -> AnswerKeyUsed:
+        """The refusal to raise again (the first, so that the verdict is the same each run)."""
+        return AnswerKeyUsed(refusal_message(self.exercise, self.used[0]))
+
+
+@contextlib.contextmanager
+def answer_keys_refused(exercise: str) -> Iterator[None]:
+    """Inside: every answer key of ``exercise`` (:data:`ANSWER_KEYS`) raises
+    :class:`AnswerKeyUsed` when called, whatever name reaches it, in every thread of this
+    process. Enter it around the learner's code only: the check's own code must not call
+    them.
+
+    Sticky: a learner who catches the refusal still fails. When the block ends after a
+    refusal, normally or by another exception, :class:`AnswerKeyUsed` is raised again (from
+    that exception). Each key gets its code back on exit, raise or not; scopes may nest."""
+    if exercise not in ANSWER_KEYS:
+        known = ", ".join(ANSWER_KEYS)
+        raise ValueError(f"no exercise {exercise!r} has answer keys; the exercises are {known}.")
+    refusals = _Refusals(exercise)
+    swapped: dict[int, tuple[types.FunctionType, types.CodeType]] = {}
+    try:
+        for key in ANSWER_KEYS[exercise]:
+            function = refused_function(key)
+            if id(function) in swapped:  # two paths to one function (a re-export)
+                continue
+            swapped[id(function)] = (function, function.__code__)
+            function.__code__ = _refusing_code(function.__code__, refusals.refusal(key))
+        yield
+    except Exception as exc:
+        if refusals.used and not isinstance(exc, AnswerKeyUsed):
+            raise refusals.first() from exc
+        raise
+    finally:
+        for function, code in reversed(swapped.values()):
+            function.__code__ = code
+    if refusals.used:
+        raise refusals.first()

@@ -1,0 +1,221 @@
+"""Grading a learner who wants the points without the work.
+
+Each attack below once passed exercise 2.1 (``my_ring_all_reduce``) through
+``python -m labs.grading grade``; each must now fail it, with a reason that names what was
+refused:
+
+* calls ``labs.collectives.ring_all_reduce``, imported by name: refused as the answer key
+  (labs.checks.answer_keys);
+* the same through ``importlib.import_module("labs." + "collectives")``: the same;
+* reads the reference notebook beside ``labs`` and runs its solution cell: the sandbox holds
+  no such file;
+* writes into the grading machine's /tmp and connects to its 127.0.0.1: the sandbox has its
+  own /tmp, which vanishes, and its own loopback, where nothing listens.
+
+The last one is also checked from outside: the test listens on the grading machine's
+127.0.0.1 and looks for the file, and neither the connection nor the file may happen. The
+sandbox itself (:mod:`labs.grading.isolation`) is tested directly too: what it can read,
+write and reach. Everything here needs util-linux ``unshare`` and namespaces; where this
+machine cannot make a sandbox, the tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from labs.grading import grader, isolation
+from labs.grading.__main__ import EXIT_USAGE, main
+from labs.grading.grader import NO_ISOLATION_NOTE, GradeSettings, grade
+from labs.grading.handout import load_chapters, release_notebook
+from labs.grading.isolation import Isolation, isolated, isolation_problem
+from labs.grading.notebook import GradingError
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "notebooks"
+RING = "02_allreduce_algorithms.ipynb"
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> None:
+    problem = isolation_problem()
+    if problem:
+        pytest.skip(f"no sandbox on this machine: {problem}")
+
+
+class Listener:
+    """A TCP server on the grading machine's 127.0.0.1 that counts who connects."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[Listener]:
+    server = Listener()
+    yield server
+    server.close()
+
+
+def test_a_machine_without_unshare_is_told_what_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(isolation, "UNSHARE", "no-such-unshare-command")
+    assert "`unshare` is not installed" in isolation_problem()
+
+
+def test_grade_refuses_without_a_sandbox_before_anything_runs(monkeypatch, tmp_path,
+                                                               capsys) -> None:
+    monkeypatch.setattr(grader, "isolation_problem", lambda: "user namespaces are off")
+    chapter = next(c for c in load_chapters(REFERENCE) if c.name == RING)
+    path = tmp_path / RING
+    path.write_text(json.dumps(release_notebook(chapter)))
+    with pytest.raises(GradingError, match="user namespaces are off.*--no-isolation"):
+        grade([path], GradeSettings(hidden=False))
+    assert main(["grade", str(path)]) == EXIT_USAGE
+    assert "--no-isolation" in capsys.readouterr().err
+
+
+def test_the_report_says_when_grading_ran_without_isolation() -> None:
+    report = grader.Report(seed=None, isolation=Isolation.NONE)
+    assert report.table().endswith(NO_ISOLATION_NOTE)
+    assert report.to_json()["isolation"] == "none"
+    assert NO_ISOLATION_NOTE not in grader.Report(seed=None).table()
+
+
+_INSIDE = r"""
+import json, socket, sys, pathlib
+seen = {}
+reference = pathlib.Path(sys.argv[1])
+try:
+    reference.read_text()
+    seen["reference"] = "read"
+except OSError as err:
+    seen["reference"] = type(err).__name__
+import labs.collectives, torch  # the environment is there
+seen["labs"] = labs.collectives.__name__
+pathlib.Path("/tmp", sys.argv[2]).write_text("escaped?")
+pathlib.Path(sys.argv[3], "scratch.txt").write_text("kept")
+seen["tmp_inside"] = pathlib.Path("/tmp", sys.argv[2]).exists()
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[4])), 2).close()
+    seen["host"] = "connected"
+except OSError as err:
+    seen["host"] = type(err).__name__
+server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen()
+socket.create_connection(server.getsockname(), 2).close()
+seen["own_loopback"] = "ok"
+seen["processes"] = sorted(int(p.name) for p in pathlib.Path("/proc").iterdir() if p.name.isdigit())
+print(json.dumps(seen))
+"""
+
+
+def test_the_sandbox_reads_the_environment_writes_its_scratch_and_reaches_only_itself(
+        sandbox, tmp_path, listener) -> None:
+    token = f"labs-escape-{uuid.uuid4().hex}"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    command = isolated([sys.executable, "-c", _INSIDE, str(REFERENCE / RING), token,
+                        str(scratch), str(listener.port)], scratch=scratch)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["reference"] == "FileNotFoundError"  # the reference notebooks are not there
+    assert seen["labs"] == "labs.collectives" and seen["own_loopback"] == "ok"
+    assert seen["tmp_inside"] and not (Path("/tmp") / token).exists()  # its /tmp vanished
+    assert (scratch / "scratch.txt").read_text() == "kept"  # the one folder it may write
+    assert seen["host"] == "ConnectionRefusedError" and listener.accepted == 0
+    assert seen["processes"] == [1]  # a process table of its own: it is pid 1, alone
+
+
+# --- the attacks, graded end to end ----------------------------------------------------------
+
+
+def _attack(kind: str, port: int, token: str) -> str:
+    if kind == "import":
+        return ("def my_ring_all_reduce(t):\n"
+                "    from labs.collectives import ring_all_reduce\n"
+                "    return ring_all_reduce(t)\n")
+    if kind == "importlib":
+        return ("import importlib\n\n"
+                "def my_ring_all_reduce(t):\n"
+                "    module = importlib.import_module('labs.' + 'collectives')\n"
+                "    return getattr(module, 'ring_' + 'all_reduce')(t)\n")
+    if kind == "reference":
+        return ("import json, pathlib, labs\n"
+                "_ref = pathlib.Path(labs.__file__).resolve().parents[1] / 'notebooks' / "
+                f"{RING!r}\n"
+                "_cells = json.loads(_ref.read_text())['cells']\n"
+                "exec(next(''.join(c['source']) for c in _cells\n"
+                "          if 'def my_ring_all_reduce' in ''.join(c['source'])))\n")
+    assert kind == "escape"
+    return ("import pathlib, socket\n"
+            "from labs.collectives import ring_all_reduce as _honest_looking\n\n"
+            "def my_ring_all_reduce(t):\n"
+            f"    pathlib.Path('/tmp/{token}').write_text('I was here')\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), 2).close()\n"
+            "    return _honest_looking(t)\n")
+
+
+#: What each attack's verdict must name.
+REFUSED = {
+    "import": "labs.collectives.ring_all_reduce",
+    "importlib": "labs.collectives.ring_all_reduce",
+    "reference": "No such file or directory",
+    "escape": "Connection refused",
+}
+
+
+@pytest.mark.parametrize("kind", [
+    "import", "escape",
+    pytest.param("importlib", marks=pytest.mark.slow),
+    pytest.param("reference", marks=pytest.mark.slow),
+])
+def test_every_attack_fails_its_exercise_naming_what_was_refused(
+        sandbox, tmp_path, listener, no_leftover_processes, kind) -> None:
+    token = f"labs-escape-{uuid.uuid4().hex}"
+    chapter = next(c for c in load_chapters(REFERENCE) if c.name == RING)
+    nb = release_notebook(chapter)
+    (index,) = chapter.exercise("2.1").solutions
+    nb.cells[index].source = _attack(kind, listener.port, token)
+    path = tmp_path / RING
+    path.write_text(json.dumps(nb))
+    report = grade([path], GradeSettings(hidden=False))
+    (graded,) = report.notebooks[0].exercises
+    assert not graded.passed, report.table()
+    assert REFUSED[kind] in graded.reason + graded.details, graded.details
+    assert listener.accepted == 0 and not (Path("/tmp") / token).exists()
+
+
+def test_the_bench_times_a_process_in_and_out_of_the_sandbox(sandbox) -> None:
+    from labs.bench.grading import start_seconds
+
+    assert 0 < start_seconds(False, 1) and 0 < start_seconds(True, 1)
