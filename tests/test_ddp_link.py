@@ -265,17 +265,23 @@ def test_the_timeline_on_the_link_names_naive_ddps_parameters_and_ddps_buckets()
 
 
 def test_the_ddp_panel_offers_the_link_only_when_given_one(monkeypatch):
+    import ipywidgets as w
+
+    from labs.viz import recorded
+
     shown, runs = [], []
-    monkeypatch.setattr(widgets, "display", shown.append)
+    monkeypatch.setattr(recorded, "display", lambda obj, **_: shown.append(obj))
     monkeypatch.setattr(widgets, "show_ddp_run", lambda *args: runs.append(args))
-    widgets.ddp_panel(world_size=2, settings=SMALL, link=QUICK)
-    assert runs[0][2:] in ((), (None,))  # the default run is on the loopback
-    (_controls, (box, button), _out) = (c.children if hasattr(c, "children") else c
-                                        for c in shown[0].children)
+    widgets.ddp_panel(world_size=2, settings=SMALL, link=QUICK, world_sizes=(2,),
+                      caps=(0.25, 25.0))
+    assert len(runs) == 2 and all(r[2:] in ((), (None,)) for r in runs)  # loopback grid
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    _micro, box, button = panel.children[-2].children
     assert box.layout.display == "flex"
     box.value = True
     button.click()
     assert runs[-1][2] == QUICK
     shown.clear()
-    widgets.ddp_panel(world_size=2, settings=SMALL)
-    assert shown[0].children[1].children[0].layout.display == "none"
+    widgets.ddp_panel(world_size=2, settings=SMALL, world_sizes=(2,), caps=(0.25,))
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    assert panel.children[-2].children[1].layout.display == "none"

@@ -366,19 +366,18 @@ def test_plot_link_sweep_draws_model_measurements_and_the_band():
 def test_the_collective_panel_runs_on_the_link_when_ticked(monkeypatch, capsys):
     import ipywidgets as w
 
-    from labs.viz import widgets
+    from labs.viz import recorded, widgets
 
     shown = []
-    monkeypatch.setattr(widgets, "display", shown.append)
+    monkeypatch.setattr(recorded, "display", lambda obj, **_: shown.append(obj))
     widgets.collective_panel(Collective.ALL_REDUCE, world_size=2, size_bytes=4096,
-                             algorithms=[Algorithm.RING, Algorithm.TORCH], iters=1, link=LINK)
-    capsys.readouterr()  # the default run, on the real transport
-    panel = shown[0]
-    boxes = [c for c in panel.children[1].children if isinstance(c, w.Checkbox)]
-    on_link = boxes[-1]
+                             world_sizes=(2,), sizes=(4096,), iters=1, link=LINK)
+    capsys.readouterr()  # the recorded grid, on the real transport
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    on_link, button = panel.children[-2].children
     assert "emulated link (50 ms, 5 MB/s)" in on_link.description
     on_link.value = True
-    panel.children[0].children[-1].click()
+    button.click()
     clicked = capsys.readouterr().out
     # N, algorithm, size, calls, fastest, median, slowest, model, fastest / model, correct
     row = re.search(r"2\s+ring\s+4K\s+\d+\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)"
@@ -387,18 +386,21 @@ def test_the_collective_panel_runs_on_the_link_when_ticked(monkeypatch, capsys):
     assert float(row.group(2)) == pytest.approx(
         predict_on_link(Algorithm.RING, 4096, 2, LINK) * 1e3, abs=0.1)
     assert "torch" not in clicked  # the link does not carry torch's messages
-    for box in boxes[:-1]:
-        box.value = False
-    panel.children[0].children[-1].click()
-    assert "Cannot run: choose at least one of labs' own algorithms" in capsys.readouterr().out
 
 
 def test_the_panel_offers_the_link_only_for_the_all_reduce(monkeypatch):
-    from labs.viz import widgets
+    import ipywidgets as w
+
+    from labs.viz import recorded, widgets
 
     shown = []
-    monkeypatch.setattr(widgets, "display", shown.append)
-    monkeypatch.setattr(widgets, "show_collective_run", lambda settings: None)
-    widgets.collective_panel(Collective.REDUCE_SCATTER, world_size=2, size_bytes=4096, link=LINK)
-    labels = [c.description for c in shown[0].children[1].children if hasattr(c, "description")]
-    assert not any("emulated link" in label for label in labels)
+    monkeypatch.setattr(recorded, "display", lambda obj, **_: shown.append(obj))
+    monkeypatch.setattr(widgets, "run_sweep", lambda settings: [])
+    monkeypatch.setattr(widgets, "sweep_tables", lambda timings: "")
+    monkeypatch.setattr(widgets, "plot_collective_bars", lambda timings: None)
+    monkeypatch.setattr(widgets, "display", lambda obj: None)
+    widgets.collective_panel(Collective.REDUCE_SCATTER, world_size=2, size_bytes=4096,
+                             world_sizes=(2,), sizes=(4096,), link=LINK)
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    labels = [c.description for c in panel.children[-2].children if hasattr(c, "description")]
+    assert labels == ["Run on real ranks"]

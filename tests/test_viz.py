@@ -239,32 +239,39 @@ def test_planning_settings_are_checked_before_launching(world_size, settings, ma
 # --- the collective panel ---------------------------------------------------------------------
 
 
-def test_panel_default_run_and_a_click(monkeypatch, capsys):
+def _recorded(monkeypatch):
+    """What recorded_panel displays, kept (outside IPython nothing is shown)."""
+    from labs.viz import recorded
+
     shown = []
-    monkeypatch.setattr(widgets, "display", shown.append)
+    monkeypatch.setattr(recorded, "display", lambda obj, **_: shown.append(obj))
+    return shown
+
+
+def _parts(panel):
+    controls = [c for c in panel.children if isinstance(c, w.ToggleButtons)]
+    stack = next(c for c in panel.children if isinstance(c, w.Stack))
+    live_row = panel.children[-2]
+    return controls, stack, live_row.children[:-1], live_row.children[-1]
+
+
+def test_collective_panel_records_its_grid_and_a_click_runs_the_chosen_setting(monkeypatch,
+                                                                              capsys):
+    shown = _recorded(monkeypatch)
     widgets.collective_panel(Collective.ALL_REDUCE, world_size=2, size_bytes=4096,
-                             algorithms=[Algorithm.RING, Algorithm.TORCH], iters=1)
-    default = capsys.readouterr().out
-    assert re.search(r"all-reduce\s+ring\s+4K\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+True", default)
-    assert re.search(r"all-reduce\s+torch\s+4K", default)
-    assert "--world-sizes 2" in default
-    panel = shown[0]
-    assert isinstance(panel, w.VBox)
-    boxes = [c for c in panel.children[1].children if isinstance(c, w.Checkbox)]
-    assert [b.description for b in boxes] == [a.value for a in Algorithm]
-    assert [b.value for b in boxes] == [a in (Algorithm.RING, Algorithm.TORCH)
-                                        for a in Algorithm]
-    slider, dropdown, button = panel.children[0].children
-    slider.value = 3
-    boxes[-1].value = False  # torch off: only the ring
+                             world_sizes=(2, 3), sizes=(4096,), iters=1)
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    (world, size), stack, _extra, button = _parts(panel)
+    assert world.options == (("2", 2), ("3", 3)) and len(size.options) == 1 and world.index == 0
+    texts = [stack.children[i].children[0].outputs[0]["text"] for i in range(2)]
+    for n, text in zip((2, 3), texts, strict=True):
+        assert f"on {n} real ranks" in text and f"--world-sizes {n}" in text
+        for algorithm in Algorithm:
+            assert re.search(rf"all-reduce\s+{algorithm.value}\s+4K\s+[\d.]+", text), text
+    world.index = 1
     button.click()
     clicked = capsys.readouterr().out
-    assert re.search(r"world size 3.*\n.*\n-+.*\n\s*all-reduce\s+ring\s+4K", clicked)
-    assert "torch" not in clicked.split("algorithms")[1].split("\n")[0]
-    for box in boxes:
-        box.value = False
-    button.click()
-    assert "Cannot run: choose at least one algorithm" in capsys.readouterr().out
+    assert re.search(r"on 3 real ranks", clicked) and "--world-sizes 3" in clicked
 
 
 def test_panel_settings_refuse_bad_choices():
@@ -299,31 +306,35 @@ def test_sweep_command_parses_back_into_the_same_settings(changes):
     assert back == settings
 
 
-def test_toy_panel_default_run_and_a_click(monkeypatch, capsys):
-    shown = []
-    monkeypatch.setattr(widgets, "display", shown.append)
-    widgets.toy_allreduce_panel(world_size=2, seed=0)
-    assert "world size 2, seed 0" in capsys.readouterr().out
-    (controls, _out) = shown[0].children
-    slider, seed_box, button = controls.children
-    slider.value, seed_box.value = 3, 5
+def test_toy_panel_records_each_world_size_and_a_click_uses_the_seed(monkeypatch, capsys):
+    shown = _recorded(monkeypatch)
+    widgets.toy_allreduce_panel(world_size=2, seed=0, world_sizes=(1, 2))
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    (world,), stack, (seed_box,), button = _parts(panel)
+    assert world.index == 1
+    assert [leaf.outputs[0]["text"].split(":")[0] for leaf in stack.children] == [
+        "world size 1, seed 0", "world size 2, seed 0"]
+    world.index, seed_box.value = 0, 5
     button.click()
-    assert "world size 3, seed 5" in capsys.readouterr().out
+    assert "world size 1, seed 5" in capsys.readouterr().out
     assert not button.disabled and button.description == "Run on real ranks"
 
 
 def test_zero_panel_offers_the_width_it_was_given_and_runs_the_chosen_one(monkeypatch):
     from labs.experiments.ddp import StepSettings
 
-    shown, runs = [], []
-    monkeypatch.setattr(widgets, "display", shown.append)
+    shown, runs = _recorded(monkeypatch), []
     monkeypatch.setattr(widgets, "show_zero_run", lambda *args: runs.append(args))
     base = StepSettings(width=48, layers=2, batch=8, steps=1, warmup=0)
-    widgets.zero_panel(world_size=2, strategy=Wrapper.ZERO1, settings=base)
-    assert runs == [(2, Wrapper.ZERO1, base)]  # the default run, shown at once
-    (controls, button, _out) = shown[0].children
-    _size, _stage, width = controls.children
+    widgets.zero_panel(world_size=2, strategy=Wrapper.ZERO1, settings=base, world_sizes=(2,))
+    assert runs == []  # the grid is recorded from measure_memory, not from a live run
+    (panel,) = [s for s in shown if isinstance(s, w.VBox)]
+    (_world, stage), stack, (width,), button = _parts(panel)
+    assert stage.value is Wrapper.ZERO1
+    recorded = stack.children[0].children[stage.index].outputs[0]["text"]
+    assert recorded.startswith(f"{Wrapper.ZERO1.value}, world size 2,"), recorded
     assert width.value == 48 and 48 in width.options
     width.value = 128
     button.click()
     assert runs[-1] == (2, Wrapper.ZERO1, dataclasses.replace(base, width=128))
+

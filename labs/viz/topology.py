@@ -58,7 +58,8 @@ def plot_ring_steps(rows: Sequence[StepRow], title: str = "") -> Figure:
 def plot_flat_vs_hierarchical(rows: Sequence[TopologyRow], title: str = "") -> Figure:
     """Seconds per all-reduce against the number of nodes (from
     :func:`labs.experiments.topology.measure_topology`): the median of the slowest rank as a
-    dot with the range over calls as an error bar, the model as a dashed line."""
+    dot with the range over calls as an error bar, the model as a dashed line through a
+    horizontal mark at each node count."""
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     nodes = [r.nodes for r in rows]
     for algorithm in TopologyAlgorithm:
@@ -68,11 +69,13 @@ def plot_flat_vs_hierarchical(rows: Sequence[TopologyRow], title: str = "") -> F
         high = [max(r.measured[algorithm]) - m for m, r in zip(medians, rows, strict=True)]
         ax.errorbar(nodes, medians, yerr=[low, high], fmt="o", color=colour, capsize=3,
                     label=f"{algorithm.value}, measured")
-        ax.plot(nodes, [r.model[algorithm] for r in rows], "--", color=colour, alpha=0.7,
-                label=f"{algorithm.value}, model")
+        # A dashed line through the model's points, each marked too: with one node count
+        # (a panel's single setting) there is no line to draw, only the mark.
+        ax.plot(nodes, [r.model[algorithm] for r in rows], "--_", color=colour, alpha=0.7,
+                markersize=18, markeredgewidth=2, label=f"{algorithm.value}, model")
     for r in rows:
         ax.annotate(f"{r.speedup:.2f}x", (r.nodes, r.median(TopologyAlgorithm.HIERARCHICAL)),
-                    textcoords="offset points", xytext=(6, -12), fontsize=8,
+                    textcoords="offset points", xytext=(8, 5), fontsize=8,
                     color=_ALGORITHM_COLOURS[TopologyAlgorithm.HIERARCHICAL])
     ax.set_xticks(nodes)
     ax.margins(x=0.12)  # room for the speed-up written right of the last point
