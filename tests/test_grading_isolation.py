@@ -15,13 +15,16 @@ refused:
 The last one is also checked from outside: the test listens on the grading machine's
 127.0.0.1 and looks for the file, and neither the connection nor the file may happen. The
 sandbox itself (:mod:`labs.grading.isolation`) is tested directly too: what it can read,
-write and reach. Everything here needs util-linux ``unshare`` and namespaces; where this
-machine cannot make a sandbox, the tests skip and say why.
+write and reach, that it holds no privilege (as root it once mounted the host's disk), and
+its limits. Everything here needs Linux namespaces; where this machine cannot make a
+sandbox, the tests skip and say why. tests/test_grading_attacks.py grades the attacks on the
+grader itself.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -36,7 +39,14 @@ from labs.grading import grader, isolation
 from labs.grading.__main__ import EXIT_USAGE, main
 from labs.grading.grader import NO_ISOLATION_NOTE, GradeSettings, grade
 from labs.grading.handout import load_chapters, release_notebook
-from labs.grading.isolation import Isolation, isolated, isolation_problem
+from labs.grading.isolation import (
+    DEVICES,
+    SANDBOX_UID,
+    Isolation,
+    Limits,
+    isolated,
+    isolation_problem,
+)
 from labs.grading.notebook import GradingError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,9 +97,13 @@ def listener() -> Iterator[Listener]:
     server.close()
 
 
-def test_a_machine_without_unshare_is_told_what_to_install(monkeypatch) -> None:
-    monkeypatch.setattr(isolation, "UNSHARE", "no-such-unshare-command")
-    assert "`unshare` is not installed" in isolation_problem()
+def test_a_machine_where_no_sandbox_starts_is_told_why(monkeypatch) -> None:
+    def broken(command, **kwargs):
+        return ["sh", "-c", "echo 'sandbox: unshare: Operation not permitted' >&2; exit 1"]
+
+    monkeypatch.setattr(isolation, "isolated", broken)
+    assert "a sandbox could not be started: sandbox: unshare: Operation not permitted" in (
+        isolation_problem())
 
 
 def test_grade_refuses_without_a_sandbox_before_anything_runs(monkeypatch, tmp_path,
@@ -154,6 +168,112 @@ def test_the_sandbox_reads_the_environment_writes_its_scratch_and_reaches_only_i
     assert (scratch / "scratch.txt").read_text() == "kept"  # the one folder it may write
     assert seen["host"] == "ConnectionRefusedError" and listener.accepted == 0
     assert seen["processes"] == [1]  # a process table of its own: it is pid 1, alone
+
+
+_NO_PRIVILEGE = r"""
+import ctypes, json, os, pathlib
+libc = ctypes.CDLL(None, use_errno=True)
+seen = {}
+seen["mount"] = libc.mount(b"tmpfs", b"/mnt", b"tmpfs", 0, None) == 0
+seen["devices"] = sorted(os.listdir("/dev"))
+try:
+    open("/proc/sys/kernel/core_pattern", "w")
+    seen["core_pattern"] = "opened for writing"
+except OSError as err:
+    seen["core_pattern"] = err.strerror
+status = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text()
+              .splitlines())
+seen["caps"] = [int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapAmb")]
+seen["no_new_privs"] = status["NoNewPrivs"].strip()
+seen["uid"] = os.getuid()
+try:
+    pathlib.Path("/etc/shadow").read_bytes()
+    seen["shadow"] = "read"
+except OSError as err:
+    seen["shadow"] = err.strerror
+pathlib.Path("mine.txt").write_text("x")
+# A user namespace of its own gives capabilities there, but the sandbox's read-only mounts
+# stay locked read-only.
+r, w = os.pipe()
+if os.fork() == 0:
+    ok = libc.unshare(0x10000000 | 0x00020000) == 0  # CLONE_NEWUSER | CLONE_NEWNS
+    rw = ok and libc.mount(None, b"/usr", None, 32 | 4096, None) == 0  # MS_REMOUNT | MS_BIND
+    os.write(w, b"remounted" if rw else b"refused")
+    os._exit(0)
+os.wait()
+seen["nested_remount"] = os.read(r, 16).decode()
+print(json.dumps(seen))
+"""
+
+
+def test_the_sandbox_holds_no_privilege(sandbox, tmp_path) -> None:
+    """As root the sandbox once kept every capability: a learner mounted the host's disk and
+    could write /proc/sys/kernel/core_pattern. Now its code runs without any."""
+    done = subprocess.run(isolated([sys.executable, "-c", _NO_PRIVILEGE], scratch=tmp_path),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["mount"] is False
+    assert seen["devices"] == sorted([*DEVICES, "fd", "shm", "stdin", "stdout", "stderr"])
+    assert seen["core_pattern"] != "opened for writing"
+    assert seen["caps"] == [0, 0, 0, 0] and seen["no_new_privs"] == "1"
+    assert seen["nested_remount"] == "refused"
+    if os.geteuid() == 0:  # root's sandbox runs as nobody, inside and outside
+        assert seen["uid"] == SANDBOX_UID
+        assert (tmp_path / "mine.txt").stat().st_uid == SANDBOX_UID
+        if Path("/etc/shadow").exists():
+            assert seen["shadow"] == "Permission denied"
+
+
+_LIMITS = r"""
+import json, threading, pathlib
+seen = {}
+try:
+    block = bytearray(3 << 30)
+    seen["memory"] = "allocated"
+except MemoryError:
+    seen["memory"] = "MemoryError"
+try:
+    pathlib.Path("big").write_bytes(b"x" * (2 << 20))
+    seen["file"] = "written"
+except OSError as err:
+    seen["file"] = err.strerror
+written = 0
+try:
+    for i in range(64):
+        pathlib.Path(f"/tmp/{i}").write_bytes(b"x" * (1 << 20))
+        written += 1
+    seen["tmp"] = "filled"
+except OSError as err:
+    seen["tmp"] = err.strerror
+seen["tmp_mib"] = written
+stop, threads = threading.Event(), 0
+try:
+    for _ in range(500):
+        threading.Thread(target=stop.wait, daemon=True).start()
+        threads += 1
+except RuntimeError:
+    pass
+seen["threads"] = threads
+stop.set()
+print(json.dumps(seen))
+"""
+
+
+def test_the_sandbox_has_limits(sandbox, tmp_path) -> None:
+    """Nothing stopped a learner's kernel from allocating 8 GiB, writing 2 GiB to the host's
+    scratch folder or starting processes without end."""
+    limits = Limits(address_space=2 << 30, processes=64, file_size=1 << 20,
+                    tmpfs_size=8 << 20)
+    done = subprocess.run(isolated([sys.executable, "-c", _LIMITS], scratch=tmp_path,
+                                   limits=limits),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["memory"] == "MemoryError"
+    assert seen["file"] == "File too large"
+    assert seen["tmp"] == "No space left on device" and seen["tmp_mib"] <= 8
+    assert seen["threads"] < 64
 
 
 # --- the attacks, graded end to end ----------------------------------------------------------

@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import random
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -55,9 +58,10 @@ from tqdm.auto import tqdm
 
 from labs.grading import submission
 from labs.grading.handout import METADATA_KEY, load_chapters
-from labs.grading.isolation import Isolation, isolated, isolation_problem
+from labs.grading.isolation import Isolation, Limits, isolated, isolation_problem
 from labs.grading.notebook import Chapter, ExerciseCells, GradingError, learner_cells
-from labs.grading.sandbox import ProcessSweep
+from labs.grading.sandbox import ProcessSweep, kill_new
+from labs.grading.submission import UnsafeFile, read_left
 
 #: The course's reference notebooks (this checkout's notebooks/).
 DEFAULT_REFERENCE_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -74,6 +78,14 @@ _ANSI = re.compile(r"(\x1b|#x1B)\[[0-9;]*m")  # junit XML writes ESC as "#x1B"
 _CURRENT_ENV = "labs-grading-current-env"
 _SOCKETS = "kernel-socket"  # prefix of the stage-1 kernel's ipc socket files (not kept)
 _LEARNER = "labs_grading_learner"  # cell metadata key marking the learner's cells in stage 1
+#: The most bytes of output the grader keeps from one stage (the learner's kernel may print
+#: without end): past it, outputs are dropped and the verdict says so.
+MAX_OUTPUT_BYTES = 4 << 20
+#: What a learner's kernel and its ranks may use (:class:`labs.grading.isolation.Limits`).
+LIMITS = Limits()
+#: The stage folders of one exercise: stage 1's (the learner's kernel writes there) and the
+#: judge's, made new after stage 1 ended, holding only what the grader copied across.
+COLLECT, JUDGE = "collect", "judge"
 
 
 class Result(enum.Enum):
@@ -251,18 +263,52 @@ def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = Fa
                 learner = _read_learner(path)
                 for ex in chapter.exercises:
                     bar.set_postfix_str(f"{path.name} {ex.exercise}")
-                    work = root / f"{index:03d}-{path.stem}" / ex.exercise
-                    work.mkdir(parents=True)
-                    grades.append(grade_exercise(chapter, learner, ex, seed, settings.timeout,
-                                                 work, settings.isolation))
+                    work = root / f"{index:03d}" / ex.exercise
+                    grades.append(_grade_safely(chapter, learner, ex, seed, settings, work))
                     bar.update()
                 graded.append(NotebookGrade(path, chapter.name, tuple(grades)))
     finally:
-        if settings.keep is not None:
-            shutil.copytree(root, settings.keep, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns(f"{_SOCKETS}*"))
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if settings.keep is not None:
+                keep_files(root, settings.keep)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     return Report(seed, tuple(graded), settings.isolation)
+
+
+def _grade_safely(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: ExerciseCells,
+                  seed: int | None, settings: GradeSettings, work: Path) -> ExerciseGrade:
+    """:func:`grade_exercise`, with anything that goes wrong in it (whatever the learner's
+    notebook did to its stage's folder) that exercise's FAIL, so that the batch goes on."""
+    start = time.perf_counter()
+    try:
+        work.mkdir(parents=True)
+        return grade_exercise(chapter, learner, ex, seed, settings.timeout, work,
+                              settings.isolation)
+    except Exception as err:  # noqa: BLE001 - one learner's notebook never stops the batch
+        reason = f"the grader could not grade this exercise ({type(err).__name__}: {err})"
+        return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, reason, reason,
+                             time.perf_counter() - start)
+
+
+def keep_files(root: Path, keep: Path, limit: int = 64 << 20) -> None:
+    """Copy the regular files under ``root`` (what the stages left, the learner's files among
+    them) to ``keep``, never following a link, skipping sockets, pipes, devices and any file
+    over ``limit`` bytes."""
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        relative = Path(folder).relative_to(root)
+        for name in files:
+            try:
+                data = read_left(Path(folder), name, limit=limit)
+            except UnsafeFile:
+                continue
+            target = keep / relative / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or (target.exists() and not target.is_file()):
+                continue
+            target.write_bytes(data)
+        dirs[:] = [d for d in dirs
+                   if stat.S_ISDIR(os.lstat(os.path.join(folder, d)).st_mode)]
 
 
 def _read_learner(path: Path) -> nbformat.NotebookNode | str:
@@ -290,17 +336,71 @@ def grade_exercise(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: E
     if not cells:
         return fail(f"no cell of the notebook is tagged solution/exercise-{ex.exercise}: write "
                     "your code in the exercise's cell (keep its tags).")
-    with ProcessSweep():
-        problem = _collect(chapter, learner, ex, cells, timeout, work, isolation)
+    with ProcessSweep() as sweep, Deadline(timeout, sweep) as deadline:
+        problem = _collect(chapter, ex, cells, timeout, work, isolation)
+    if deadline.passed:
+        return fail(_too_long(timeout))
     if problem:
         return fail(*problem)
-    with ProcessSweep():
+    with ProcessSweep():  # _judge's pytest has the stage's deadline
         verdict = _judge(chapter, ex, seed, timeout, work, isolation)
     passed, reason, details, checks = verdict
     if not passed:
         return fail(reason, details, checks)
     return ExerciseGrade(ex.exercise, ex.title, Result.PASS, reason, details,
                          time.perf_counter() - start, checks)
+
+
+def _too_long(timeout: float) -> str:
+    return (f"your code did not finish within {timeout:g} s, the limit of the whole stage that "
+            "runs your cells (a loop that never ends, or a long call at the top level of a "
+            "cell?)")
+
+
+class Deadline:
+    """``with Deadline(seconds, sweep): ...``: one deadline for a whole stage. When it passes,
+    every process the stage started (``sweep``'s) is killed, so that whatever waits on them
+    returns; :attr:`passed` then says so."""
+
+    def __init__(self, seconds: float, sweep: ProcessSweep) -> None:
+        self.passed = False
+        self._sweep = sweep
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def _expire(self) -> None:
+        self.passed = True
+        kill_new(self._sweep.before)
+
+    def __enter__(self) -> Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+class _CappedClient(NotebookClient):
+    """A NotebookClient that keeps at most :data:`MAX_OUTPUT_BYTES` of the kernel's outputs
+    (errors included, cut short), and notes that it dropped the rest."""
+
+    kept_bytes = 0
+    dropped = False
+
+    def output(self, outs: list[nbformat.NotebookNode], msg: dict[str, object],
+               display_id: str | None, cell_index: int) -> nbformat.NotebookNode | None:
+        size = len(json.dumps(msg.get("content", {}), default=str))
+        if self.kept_bytes + size > MAX_OUTPUT_BYTES:
+            self.dropped = True
+            if msg.get("msg_type") != "error":
+                return None
+            content = msg["content"]
+            assert isinstance(content, dict)
+            content["traceback"] = [str(line)[:2000] for line in content.get("traceback", [])][
+                -20:]
+            content["evalue"] = str(content.get("evalue", ""))[:2000]
+        self.kept_bytes += size
+        return super().output(outs, msg, display_id, cell_index)
 
 
 # --- stage 1: run the learner's cells, export their functions ---------------------------------
@@ -336,52 +436,53 @@ def _notebook(cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
     return nb
 
 
-def _collect(chapter: Chapter, learner: nbformat.NotebookNode, ex: ExerciseCells,
-             cells: list[str], timeout: float, work: Path,
-             isolation: Isolation = Isolation.SANDBOX) -> tuple[str, str] | None:
-    """Stage 1. Returns (reason, details) when the learner's functions cannot be had."""
+def _collect(chapter: Chapter, ex: ExerciseCells, cells: list[str], timeout: float,
+             work: Path, isolation: Isolation = Isolation.SANDBOX) -> tuple[str, str] | None:
+    """Stage 1, in the stage folder ``work/collect`` (the only folder its sandbox may write).
+    Returns (reason, details) when the learner's functions cannot be had."""
+    stage = work / COLLECT
+    stage.mkdir()
     nb_cells = [_code(s) for s in chapter.sources(chapter.setup)]
     for other in chapter.exercises:
         if other.exercise == ex.exercise:
             nb_cells += [_code(s, **{_LEARNER: True}) for s in cells]
             break
         nb_cells += [_code(s) for s in chapter.sources(other.solutions)]
-    exported = work / "submission"
     nb_cells.append(_code(
         "import labs.grading.submission as _labs_grading\n"
-        f"_labs_grading.export(globals(), {ex.submitted!r}, {str(exported)!r})"))
+        f"_labs_grading.export(globals(), {ex.submitted!r}, {str(stage)!r})"))
     nb = _notebook(nb_cells)
     # ipc: a local socket file rather than TCP (ipykernel warns about unencrypted TCP). The
-    # socket files and the connection file live in the scratch folder, which a sandboxed
+    # socket files and the connection file live in the stage folder, which a sandboxed
     # kernel sees at the same path: the grader reaches it there, with no network between.
-    sandbox = work if isolation is Isolation.SANDBOX else None
+    sandbox = stage if isolation is Isolation.SANDBOX else None
     km = AsyncKernelManager(kernel_name=_CURRENT_ENV,
                             kernel_spec_manager=_CurrentEnvSpecs(sandbox=sandbox),
-                            transport="ipc", ip=str(work / _SOCKETS),
-                            connection_file=str(work / "kernel.json"))
-    client = NotebookClient(nb, km=km, timeout=int(timeout), allow_errors=True,
-                            resources={"metadata": {"path": str(work)}})
+                            transport="ipc", ip=str(stage / _SOCKETS),
+                            connection_file=str(stage / "kernel.json"))
+    client = _CappedClient(nb, km=km, timeout=int(timeout), allow_errors=True,
+                           resources={"metadata": {"path": str(stage)}})
     try:
         client.execute()
     except CellTimeoutError:
-        return (f"your code did not finish within {timeout:g} s when its cells were run (a "
-                "loop that never ends, or a long call at the top level of a cell?)", "")
+        return _too_long(timeout), ""
     except DeadKernelError as err:
-        return ("the kernel died while running your cells (exit(), os._exit() or a crash)",
-                str(err))
+        return ("the kernel died while running your cells (exit(), os._exit(), a crash, or "
+                f"a limit of the sandbox: {LIMITS.words()})", str(err))
     finally:
-        nbformat.write(nb, work / "collect.ipynb")
+        nbformat.write(nb, work / "collect.ipynb")  # the grader's folder, not the stage's
     cell_error = _first_error(c for c in nb.cells if c.metadata.get(_LEARNER))
-    broken = [n for n in ex.submitted if not submission.read_index(exported).get(n, {}).get("ok")]
+    index = submission.read_index(stage, ex.submitted)
+    broken = [n for n in ex.submitted if not index[n].get("ok")]
     if not broken:
         return None  # an error after the definitions does not matter: the checks decide
-    index = submission.read_index(exported)
-    why = "; ".join(str(index.get(n, {}).get("error", f"`{n}` was not exported")) for n in broken)
+    why = "; ".join(str(index[n]["error"]) for n in broken)
+    if client.dropped:
+        why += f" (your cells printed more than {MAX_OUTPUT_BYTES >> 20} MiB: the rest was dropped)"
     if cell_error:
-        return f"{why} Your cell raised {cell_error[0]}", cell_error[1]
-    if not index:
-        return ("your cells stopped the grading before your functions could be collected "
-                "(did a cell change the grader's imports?)", "")
+        hint = f" (the sandbox's limits: {LIMITS.words()})" if cell_error[0].startswith(
+            "MemoryError") else ""
+        return f"{why} Your cell raised {cell_error[0]}{hint}", cell_error[1]
     return why, ""
 
 
@@ -400,12 +501,17 @@ def _first_error(cells: object) -> tuple[str, str] | None:
 def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float,
            work: Path, isolation: Isolation = Isolation.SANDBOX
            ) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
-    """Stage 2. Returns (passed, reason, details, per-check verdicts)."""
-    verdicts_path = work / "verdicts.json"
+    """Stage 2, in a stage folder ``work/judge`` made now, holding the judge's notebook and
+    only the exercise's exported functions, carried from stage 1's folder by the grader.
+    Returns (passed, reason, details, per-check verdicts)."""
+    stage = work / JUDGE
+    stage.mkdir()
+    submission.carry(work / COLLECT, stage, ex.submitted)
+    verdicts = "verdicts.json"
     cells = [_code(s) for s in judge_prelude(chapter, ex)]
     cells.append(_code(
         "import labs.grading.submission as _labs_grading\n"
-        f"globals().update(_labs_grading.load({str(work / 'submission')!r}))\n"
+        f"globals().update(_labs_grading.load({str(stage)!r}, {ex.submitted!r}))\n"
         "_labs_grading_verdicts = []"))
     for index, call in zip(ex.checks, ex.calls, strict=True):
         expected = chapter.nb.cells[index].outputs
@@ -417,29 +523,28 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
             cell.execution_count = len(cells)  # nbval refuses outputs of a cell never run
             cells.append(cell)
     cells.append(_code(
-        f"_labs_grading.write_verdicts(_labs_grading_verdicts, {str(verdicts_path)!r})"))
-    nbformat.write(_notebook(cells), work / "judge.ipynb")
-    (work / "sanitize.cfg").write_text(
+        f"_labs_grading.write_verdicts(_labs_grading_verdicts, {str(stage / verdicts)!r})"))
+    nbformat.write(_notebook(cells), stage / "judge.ipynb")
+    (stage / "sanitize.cfg").write_text(
         f"[verdict]\nregex: {VERDICT_REGEX}\nreplace: {VERDICT_REPLACE}\n")
-    (work / "pytest.ini").write_text("[pytest]\n")
+    (stage / "pytest.ini").write_text("[pytest]\n")
+    # -P: the stage folder is not on pytest's path; --noconftest: no conftest.py is read.
     command = [
-        sys.executable, "-m", "pytest", "judge.ipynb", "-q", "-p", "no:cacheprovider",
-        "-c", "pytest.ini", "--rootdir", ".", "--nbval-lax", "--nbval-current-env",
-        f"--nbval-cell-timeout={int(timeout)}", "--nbval-sanitize-with", "sanitize.cfg",
-        "--junitxml", "junit.xml",
+        sys.executable, "-P", "-m", "pytest", "judge.ipynb", "-q", "-p", "no:cacheprovider",
+        "--noconftest", "-c", "pytest.ini", "--rootdir", ".", "--nbval-lax",
+        "--nbval-current-env", f"--nbval-cell-timeout={int(timeout)}",
+        "--nbval-sanitize-with", "sanitize.cfg", "--junitxml", "junit.xml",
     ]
     if isolation is Isolation.SANDBOX:  # nbval's kernel too: it runs the learner's functions
-        command = isolated(command, scratch=work)
-    try:
-        run = subprocess.run(command, cwd=work, capture_output=True, text=True,
-                             timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
+        command = isolated(command, scratch=stage)
+    returncode, log = _run_capped(command, stage, timeout)
+    (work / "pytest.log").write_text(log)
+    if returncode is None:
         return (False, f"the checks did not finish within {timeout:g} s", "", ())
-    (work / "pytest.log").write_text(run.stdout + run.stderr)
-    checks = tuple(json.loads(verdicts_path.read_text())) if verdicts_path.is_file() else ()
-    failures = _junit_failures(work / "junit.xml")
+    checks = _read_verdicts(stage, verdicts)
+    failures = _junit_failures(stage)
     details = "\n\n".join(str(c["message"]) for c in checks)
-    if run.returncode == 0 and checks and all(c["passed"] for c in checks):
+    if returncode == 0 and checks and all(c["passed"] for c in checks):
         return True, f"{len(checks)} check(s) passed", details, checks
     failed = [c for c in checks if not c["passed"]]
     if failed:
@@ -447,8 +552,53 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
             f"{'PASS' if c['passed'] else 'FAIL'}: {c['message']}" for c in checks), checks
     if failures:
         return False, _last_error_line(failures[0]), "\n\n".join(failures), checks
-    return False, ("the checks did not run (pytest exit code "
-                   f"{run.returncode}): {_clip(run.stdout + run.stderr)}"), run.stdout, checks
+    return False, (f"the checks did not run (pytest exit code {returncode}): "
+                   f"{_clip(log)}"), log, checks
+
+
+def _run_capped(command: Sequence[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
+    """Run ``command``; (its exit code, or None when it ran past ``timeout`` and was killed,
+    and the first :data:`MAX_OUTPUT_BYTES` of what it printed)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    kept = bytearray()
+    dropped = 0
+
+    def drain() -> None:
+        nonlocal dropped
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read(65536):
+            room = MAX_OUTPUT_BYTES - len(kept)
+            kept.extend(chunk[:max(room, 0)])
+            dropped += max(len(chunk) - max(room, 0), 0)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        returncode: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        returncode = None
+    reader.join(timeout=5)
+    text = kept.decode(errors="replace")
+    if dropped:
+        text += f"\n[{dropped} more bytes of output dropped]"
+    return returncode, text
+
+
+def _read_verdicts(stage: Path, name: str) -> tuple[dict[str, object], ...]:
+    """The verdicts the judge's last cell wrote, each ``{"exercise", "passed", "message"}``;
+    () when the file is missing, unsafe or not that JSON."""
+    try:
+        raw = json.loads(read_left(stage, name))
+    except (UnsafeFile, ValueError, UnicodeDecodeError):
+        return ()
+    if not isinstance(raw, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("passed"), bool) for c in raw):
+        return ()
+    return tuple({"exercise": str(c.get("exercise", "")), "passed": c["passed"],
+                  "message": str(c.get("message", ""))} for c in raw)
 
 
 def judge_prelude(chapter: Chapter, ex: ExerciseCells) -> list[str]:
@@ -468,12 +618,10 @@ def judge_prelude(chapter: Chapter, ex: ExerciseCells) -> list[str]:
     return [f"from labs.checks import {', '.join(functions)}"]
 
 
-def _junit_failures(path: Path) -> list[str]:
-    if not path.is_file():
-        return []
+def _junit_failures(stage: Path) -> list[str]:
     try:
-        root = ET.parse(path).getroot()
-    except ET.ParseError:
+        root = ET.fromstring(read_left(stage, "junit.xml"))
+    except (UnsafeFile, ET.ParseError):
         return []
     texts = []
     for case in root.iter("testcase"):

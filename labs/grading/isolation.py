@@ -1,27 +1,38 @@
-"""Run a learner's code in a sandbox: its own filesystem view, network and process table.
+"""Run a learner's code in a sandbox: its own user, filesystem view, network and process table,
+within limits.
 
 The grader runs a learner's notebook (its kernel, and the ranks the kernel starts) through
-:func:`isolated`: the command is started by util-linux ``unshare`` in new mount, network and
-PID namespaces (and a user namespace where the grader is not root), then this module's
-``__main__`` builds the sandbox's filesystem before it ``exec``s the command:
+:func:`isolated`, which runs this file as a script. The script makes the namespaces itself
+(``unshare(2)`` through ctypes, no helper binary), builds the sandbox's filesystem, gives up
+every privilege and ``exec``s the command:
 
-* a fresh root (a ``tmpfs``) holding, read-only, only what Python needs: the system's
-  ``/usr``, ``/bin``, ``/lib*``, ``/etc``, the interpreter's prefixes (the virtual
+* **a user namespace, always.** Where the grader is root, the namespace maps its root to the
+  machine's root only while the sandbox is built, and the learner's code runs as
+  :data:`SANDBOX_UID` (``nobody``), mapped to the same unprivileged id outside: no capability,
+  no file of root's it could read or write, no ``mount``. Where the grader is a user, the
+  namespace maps that user to root, and the code runs as it with every capability dropped.
+  Either way ``no_new_privs`` is set, so no set-user-id program gives a privilege back, and the
+  capability bounding set is empty.
+* **a fresh root** (a ``tmpfs``) holding, read-only and ``nosuid``, only what Python needs: the
+  system's ``/usr``, ``/bin``, ``/lib*``, ``/etc``, the interpreter's prefixes (the virtual
   environment included) and the ``labs`` package; the rest of the machine (the reference
-  notebooks, the repository, ``$HOME``, other users' files) is not there at all;
-* one writable directory, the scratch directory the grader gave (the composed notebook, the
-  pickled functions, the verdicts), which the grader deletes after the exercise; and empty
-  writable ``/tmp``, ``/dev/shm`` and ``$HOME`` that vanish with the sandbox;
-* a network namespace with only its own loopback, so the ranks reach each other on
-  127.0.0.1 and nothing else (not the grading machine's own 127.0.0.1);
-* a PID namespace with its own ``/proc``: no other process of the machine can be seen or
-  signalled, and when the sandbox's first process ends, every process in it ends too.
+  notebooks, the repository, ``$HOME``, other users' files) is not there at all. The old root
+  is detached after ``pivot_root``, so no path leads back out.
+* **a ``/dev`` of four devices** (``null``, ``zero``, ``random``, ``urandom``) and a
+  ``/dev/shm`` for torch's shared tensors; no disk, no terminal. ``/proc`` is the sandbox's
+  own (a new PID namespace: it sees only its own processes) and ``/proc/sys`` is read-only.
+* **one writable host directory**, the scratch directory the grader gave (handed to the
+  sandbox's user), and empty ``/tmp``, ``/var/tmp``, ``$HOME`` and ``/dev/shm`` whose sizes are
+  capped and which vanish with the sandbox.
+* **a network namespace** with only its own loopback, so the ranks reach each other on
+  127.0.0.1 and nothing else (not the grading machine's own 127.0.0.1).
+* **limits** (:class:`Limits`): the address space of each process, the number of processes
+  and threads, the size of any one file, no core dumps. When the script's first process ends,
+  every process in the sandbox ends too, and when the grader kills the script, so does the
+  sandbox.
 
-The root is switched with ``pivot_root`` and the old one detached, so no path leads back out
-(a ``chroot`` can be escaped by a process that is root inside it).
-
-:func:`isolation_problem` says why a sandbox cannot be made on this machine (no ``unshare``,
-user namespaces disabled...), so ``grade`` can refuse before it starts anything.
+:func:`isolation_problem` says why a sandbox cannot be made on this machine (not Linux, user
+namespaces disabled...), so ``grade`` can refuse before it starts anything.
 """
 
 from __future__ import annotations
@@ -30,26 +41,44 @@ import ctypes
 import enum
 import fcntl
 import os
-import shutil
+import resource
+import signal
 import socket
 import struct
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-UNSHARE = "unshare"
 #: Read-only paths every sandbox holds, where they exist: the system's programs and libraries
 #: and its configuration (``/etc/hosts`` resolves ``localhost``; ``/etc/passwd`` names users).
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+#: The only devices a sandbox holds.
+DEVICES = ("null", "zero", "random", "urandom")
+#: The user (and group) the learner's code runs as when the grader is root: ``nobody``, the
+#: same id inside and outside the sandbox, so that what it writes in the scratch folder is
+#: owned by an unprivileged user on the grading machine too.
+SANDBOX_UID = SANDBOX_GID = 65534
 #: The sandbox's mount point of the old root while it is detached (inside the new root).
 _OLD_ROOT = ".old-root"
+_GIB, _MIB = 1 << 30, 1 << 20
 
-# linux/mount.h, linux/sockios.h, linux/if.h
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
+# linux/sched.h, linux/mount.h, linux/sockios.h, linux/if.h, linux/prctl.h, linux/securebits.h
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
 _MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _MNT_DETACH = 2
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 1, 24, 38
+_PR_SET_SECUREBITS = 28
+_SECBIT_ALL_LOCKED = 0x2F  # NOROOT, NOROOT_LOCKED, NO_SETUID_FIXUP(_LOCKED), KEEP_CAPS_LOCKED
+_CAP_VERSION_3 = 0x20080522
+_CAP_LAST_CAP_FILE = Path("/proc/sys/kernel/cap_last_cap")
+#: pivot_root(2)'s number where glibc has no wrapper for it; elsewhere util-linux's program.
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 
 class Isolation(enum.Enum):
@@ -61,35 +90,48 @@ class Isolation(enum.Enum):
     """With the grader's own rights: the instructor chose to grade without isolation."""
 
 
-def unshare_command() -> list[str]:
-    """The ``unshare`` call that starts a sandbox: new mount, network and PID namespaces,
-    the child killed with it, and a user namespace (the grader mapped to root) where the
-    grader is not root."""
-    command = [UNSHARE, "--mount", "--net", "--pid", "--fork", "--kill-child"]
-    if os.geteuid() != 0:
-        command.insert(1, "--map-root-user")
-    return command
+@dataclass(frozen=True)
+class Limits:
+    """What one sandbox may use. Every process started in it inherits the same limits."""
+
+    address_space: int = 6 * _GIB
+    """Bytes of virtual memory per process (``RLIMIT_AS``). A rank that imported torch maps
+    about 0.7 GiB; an allocation past the limit raises ``MemoryError``."""
+    processes: int = 1024
+    """Processes and threads of the sandbox's user (``RLIMIT_NPROC``): a kernel, its ranks
+    and their threads use about 100."""
+    file_size: int = 256 * _MIB
+    """Bytes of any one file it writes (``RLIMIT_FSIZE``)."""
+    tmpfs_size: int = 512 * _MIB
+    """Bytes each of ``/tmp``, ``/var/tmp``, ``$HOME`` and ``/dev/shm`` may hold."""
+
+    def args(self) -> list[str]:
+        return [f"--address-space={self.address_space}", f"--processes={self.processes}",
+                f"--file-size={self.file_size}", f"--tmpfs-size={self.tmpfs_size}"]
+
+    def words(self) -> str:
+        """The limits as an instructor reads them in a verdict."""
+        return (f"{self.address_space / _GIB:g} GiB of memory per process, "
+                f"{self.processes} processes and threads, {self.file_size / _MIB:g} MiB per "
+                f"file, {self.tmpfs_size / _MIB:g} MiB in each of /tmp, $HOME and /dev/shm")
 
 
 def isolation_problem() -> str:
     """Why :func:`isolated` cannot work here, in words, or "" when it can (it starts one
-    sandbox running ``true``)."""
+    sandbox running ``python -c pass``)."""
     if not sys.platform.startswith("linux"):
         return f"a sandbox needs Linux namespaces; this is {sys.platform}"
-    if shutil.which(UNSHARE) is None:
-        return ("util-linux `unshare` is not installed (Debian: apt-get install util-linux; "
-                "bubblewrap's bwrap is not used)")
-    probe = [*isolated([sys.executable, "-c", "pass"], scratch=Path("/"), probe=True)]
+    probe = isolated([sys.executable, "-c", "pass"], scratch=Path("/"), probe=True)
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as err:
-        return f"`unshare` could not start a sandbox: {err}"
+        return f"a sandbox could not be started: {err}"
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         hint = ("" if os.geteuid() == 0 else "; unprivileged user namespaces may be off "
                 "(sysctl kernel.unprivileged_userns_clone=1, or "
                 "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu)")
-        return f"`unshare` could not start a sandbox: {why}{hint}"
+        return f"a sandbox could not be started: {why}{hint}"
     return ""
 
 
@@ -116,56 +158,148 @@ def _outermost(paths: object) -> list[Path]:
     return kept
 
 
-def isolated(command: Sequence[str], *, scratch: Path, probe: bool = False) -> list[str]:
+def isolated(command: Sequence[str], *, scratch: Path, probe: bool = False,
+             limits: Limits = Limits()) -> list[str]:
     """``command`` wrapped to run in a new sandbox whose one writable directory is
     ``scratch`` (it must exist; the command starts there). ``probe`` builds the sandbox but
     binds no scratch (for :func:`isolation_problem`)."""
     # Run as a script, not ``-m labs.grading.isolation``: importing the labs package would
-    # import torch, seconds of start-up for every sandbox.
-    inner = [sys.executable, str(Path(__file__).resolve()), "--home", str(Path.home())]
+    # import torch, seconds of start-up for every sandbox. -I: no user site, no environment
+    # variables steer this interpreter, and the current directory is not on its path.
+    inner = [sys.executable, "-I", str(Path(__file__).resolve()), "--home", str(Path.home()),
+             *limits.args()]
     if not probe:
         inner += ["--scratch", str(Path(scratch).resolve())]
     inner += [f"--read={p}" for p in readable_paths()]
-    return [*unshare_command(), *inner, "--", *command]
+    return [*inner, "--", *command]
 
 
-# --- inside the namespaces -------------------------------------------------------------------
+# --- system calls --------------------------------------------------------------------------------
 
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"sandbox: {what}: {os.strerror(errno)}")
+
+
+def _prctl(option: int, arg: int) -> None:
+    _check(_libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
+
+
 def _mount(source: str | None, target: Path, fstype: str | None, flags: int,
            data: str | None = None) -> None:
-    libc = _libc()
     encode = (lambda s: None if s is None else s.encode())  # noqa: E731
-    if libc.mount(encode(source), str(target).encode(), encode(fstype), ctypes.c_ulong(flags),
-                  encode(data)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"sandbox: mount {source or fstype} on {target}: "
-                             f"{os.strerror(errno)}")
+    _check(_libc().mount(encode(source), str(target).encode(), encode(fstype),
+                         ctypes.c_ulong(flags), encode(data)),
+           f"mount {source or fstype} on {target}")
 
 
-def _bind(source: Path, target: Path, *, writable: bool) -> None:
-    """``source`` at ``target`` (created), read-only unless ``writable``. The read-only
-    remount keeps the flags a user namespace may not drop (nosuid, nodev)."""
+# --- outside: the namespaces and the id maps -----------------------------------------------------
+
+
+def _id_maps(outer_uid: int, outer_gid: int) -> tuple[str, str, str]:
+    """(uid_map, gid_map, setgroups) for the new user namespace. Root maps itself (to build the
+    sandbox) and :data:`SANDBOX_UID` (to run in it); a user may map only itself, to root."""
+    if outer_uid == 0:
+        uids = f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n"
+        gids = f"0 0 1\n{SANDBOX_GID} {SANDBOX_GID} 1\n"
+        return uids, gids, "allow"
+    return f"0 {outer_uid} 1\n", f"0 {outer_gid} 1\n", "deny"
+
+
+def _enter_namespaces() -> None:
+    """Make this process the first of new user, mount, network, IPC, UTS and PID namespaces:
+    a child unshares them and waits while this process (still privileged outside) writes its
+    id maps; the child forks the sandbox's pid 1 and returns in it. This process and the child
+    only wait, pass on their fate and exit: a kill of this process kills the sandbox."""
+    uid, gid = os.geteuid(), os.getegid()
+    unshared_r, unshared_w = os.pipe()
+    mapped_r, mapped_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(unshared_r)
+        os.close(mapped_w)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _check(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC
+                               | _CLONE_NEWUTS | _CLONE_NEWPID), "unshare")
+        os.write(unshared_w, b"1")
+        if os.read(mapped_r, 1) != b"1":
+            os._exit(125)
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        first = os.fork()  # the first process of the new PID namespace
+        if first == 0:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            return
+        os._exit(_wait(first))
+    os.close(unshared_w)
+    os.close(mapped_r)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
+    signal.signal(signal.SIGINT, lambda *_: os.kill(child, signal.SIGKILL))
+    ok = os.read(unshared_r, 1) == b"1"
+    if ok:
+        uids, gids, setgroups = _id_maps(uid, gid)
+        try:
+            Path(f"/proc/{child}/setgroups").write_text(setgroups)
+            Path(f"/proc/{child}/uid_map").write_text(uids)
+            Path(f"/proc/{child}/gid_map").write_text(gids)
+        except OSError as err:
+            print(f"sandbox: cannot map the sandbox's user: {err}", file=sys.stderr)
+            ok = False
+    os.write(mapped_w, b"1" if ok else b"0")
+    os._exit(_wait(child))
+
+
+def _wait(pid: int) -> int:
+    """Wait for ``pid``; its exit code, or 128 + the signal that killed it (as a shell says)."""
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            return 125
+        except InterruptedError:
+            continue
+        return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else (
+            128 + os.WTERMSIG(status))
+
+
+# --- inside: the filesystem ----------------------------------------------------------------------
+
+
+def _kept_flags(target: Path) -> int:
+    """The flags of the mount at ``target`` that a user namespace may not drop on remount (its
+    ``nodev``, ``noexec`` and atime flags), plus ``nosuid``."""
+    stat = os.statvfs(target)
+    flags = _MS_NOSUID
+    for st, ms in ((os.ST_NODEV, _MS_NODEV), (os.ST_NOEXEC, _MS_NOEXEC),
+                   (os.ST_NOATIME, _MS_NOATIME),
+                   (os.ST_NODIRATIME, _MS_NODIRATIME), (os.ST_RELATIME, _MS_RELATIME)):
+        if stat.f_flag & st:
+            flags |= ms
+    return flags
+
+
+def _bind(source: Path, target: Path, *, writable: bool, device: bool = False) -> None:
+    """``source`` at ``target`` (created), ``nosuid``, and read-only unless ``writable``;
+    ``nodev`` unless it is a ``device``."""
     if source.is_dir():
         target.mkdir(parents=True, exist_ok=True)
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.touch()
     _mount(str(source), target, None, _MS_BIND | _MS_REC)
-    if not writable:
-        stat = os.statvfs(target)
-        kept = (_MS_NOSUID if stat.f_flag & os.ST_NOSUID else 0) | (
-            _MS_NODEV if stat.f_flag & os.ST_NODEV else 0)
-        _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept)
+    flags = _kept_flags(target) | (0 if writable else _MS_RDONLY) | (0 if device else _MS_NODEV)
+    _mount(None, target, None, _MS_REMOUNT | _MS_BIND | flags)
 
 
-def _tmpfs(target: Path) -> None:
+def _tmpfs(target: Path, size: int, mode: str = "1777") -> None:
     target.mkdir(parents=True, exist_ok=True)
-    _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
+    _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={size}")
 
 
 def _loopback_up() -> None:
@@ -176,35 +310,90 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
 
-def build_root(new_root: Path, read: Sequence[Path], scratch: Path | None, home: Path) -> None:
+def _dev(dev: Path, tmpfs_size: int) -> None:
+    """A ``/dev`` holding :data:`DEVICES`, the standard links and a ``/dev/shm``."""
+    _tmpfs(dev, 1 * _MIB, mode="0755")
+    for name in DEVICES:
+        _bind(Path("/dev") / name, dev / name, writable=True, device=True)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        (dev / name).symlink_to(target)
+    _tmpfs(dev / "shm", tmpfs_size)  # torch shares tensors between processes here
+
+
+def build_root(new_root: Path, read: Sequence[Path], scratch: Path | None, home: Path,
+               tmpfs_size: int) -> None:
     """Inside fresh namespaces: make ``new_root`` the root holding ``read`` (read-only),
-    ``scratch`` (writable), /dev, a new /proc, and empty /tmp, /dev/shm and ``home``."""
+    ``scratch`` (writable), four devices, a new /proc with a read-only /proc/sys, and empty
+    /tmp, /var/tmp, /dev/shm and ``home``."""
     _mount(None, Path("/"), None, _MS_REC | _MS_PRIVATE)  # nothing propagates back out
-    _tmpfs(new_root)
+    _tmpfs(new_root, 16 * _MIB, mode="0755")
     # The empty writable folders first: a read-only path may lie inside one (a pyenv Python
     # under $HOME), and is then bound on top of it.
     for path in (Path("/tmp"), Path("/var/tmp"), home):
-        _tmpfs(new_root / path.relative_to("/"))
+        _tmpfs(new_root / path.relative_to("/"), tmpfs_size)
     for path in read:
         _bind(path, new_root / path.relative_to("/"), writable=False)
-    _bind(Path("/dev"), new_root / "dev", writable=True)  # null, zero, urandom, the tty
-    _tmpfs(new_root / "dev" / "shm")  # torch shares tensors between processes here
+    _dev(new_root / "dev", tmpfs_size)
     if scratch is not None:
         _bind(scratch, new_root / scratch.relative_to("/"), writable=True)
-    (new_root / "proc").mkdir(exist_ok=True)
-    _mount("proc", new_root / "proc", "proc", _MS_NOSUID | _MS_NODEV)
+    proc = new_root / "proc"
+    proc.mkdir(exist_ok=True)
+    _mount("proc", proc, "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    _bind(proc / "sys", proc / "sys", writable=False)
     old = new_root / _OLD_ROOT
     old.mkdir()
-    subprocess.run(["pivot_root", str(new_root), str(old)], check=True)
+    number = _PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        subprocess.run(["pivot_root", str(new_root), str(old)], check=True)
+    else:
+        _check(_libc().syscall(number, str(new_root).encode(), str(old).encode()), "pivot_root")
     os.chdir("/")
-    if _libc().umount2(f"/{_OLD_ROOT}".encode(), _MNT_DETACH) != 0:
-        raise OSError(ctypes.get_errno(), "sandbox: cannot detach the old root")
+    _check(_libc().umount2(f"/{_OLD_ROOT}".encode(), _MNT_DETACH), "detach the old root")
     os.rmdir(f"/{_OLD_ROOT}")
 
 
+def _hand_over(scratch: Path, uid: int, gid: int) -> None:
+    """Make the scratch folder and what the grader put in it the sandbox user's (never
+    following a link)."""
+    for folder, dirs, files in os.walk(scratch):
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(folder, name), uid, gid, follow_symlinks=False)
+    os.chown(scratch, uid, gid)
+
+
+# --- inside: giving up privileges ----------------------------------------------------------------
+
+
+def _drop_privileges(root_outside: bool) -> None:
+    """Leave the sandbox's code no way to a privilege: an empty capability bounding set,
+    ``no_new_privs``, and either the unprivileged :data:`SANDBOX_UID` (the grader was root) or
+    the namespace's root with no capability and root's special treatment locked off."""
+    last = int(_CAP_LAST_CAP_FILE.read_text()) if _CAP_LAST_CAP_FILE.exists() else 40
+    for cap in range(last + 1):
+        _prctl(_PR_CAPBSET_DROP, cap)
+    if root_outside:
+        os.setgroups([SANDBOX_GID])
+        os.setresgid(SANDBOX_GID, SANDBOX_GID, SANDBOX_GID)
+        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)  # clears every capability
+    else:
+        _prctl(_PR_SET_SECUREBITS, _SECBIT_ALL_LOCKED)
+        header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
+        data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2: all zero
+        _check(_libc().capset(header, data), "capset")
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _set_limits(address_space: int, processes: int, file_size: int) -> None:
+    for which, value in ((resource.RLIMIT_AS, address_space),
+                         (resource.RLIMIT_NPROC, processes),
+                         (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(which, (value, value))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python labs/grading/isolation.py [--scratch DIR] --read=PATH... -- COMMAND...``,
-    run by :func:`isolated` inside the new namespaces (as pid 1 of the new PID namespace)."""
+    """``python labs/grading/isolation.py [--scratch DIR] --read=PATH... -- COMMAND...``, as
+    :func:`isolated` writes it."""
     import argparse  # noqa: PLC0415
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -217,16 +406,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path)
     parser.add_argument("--home", type=Path, default=Path("/root"))
     parser.add_argument("--read", type=Path, action="append", default=[])
+    defaults = Limits()
+    parser.add_argument("--address-space", type=int, default=defaults.address_space)
+    parser.add_argument("--processes", type=int, default=defaults.processes)
+    parser.add_argument("--file-size", type=int, default=defaults.file_size)
+    parser.add_argument("--tmpfs-size", type=int, default=defaults.tmpfs_size)
     options = parser.parse_args(args[:split])
     command = args[split + 1:]
+    if not command:
+        parser.error("no command after --")
+    root_outside = os.geteuid() == 0
+    _enter_namespaces()  # returns in the sandbox's first process
     # The new root is built on a directory only this mount namespace sees: the tmpfs is
     # mounted over /mnt's view here, and /mnt itself is not touched outside.
-    build_root(Path("/mnt"), options.read, options.scratch, options.home)
+    build_root(Path("/mnt"), options.read, options.scratch, options.home, options.tmpfs_size)
     _loopback_up()
+    if options.scratch is not None and root_outside:
+        _hand_over(options.scratch, SANDBOX_UID, SANDBOX_GID)
+    _set_limits(options.address_space, options.processes, options.file_size)
+    _drop_privileges(root_outside)
     os.environ["HOME"] = str(options.home)
     os.environ["TMPDIR"] = "/tmp"
-    if options.scratch is not None:
-        os.chdir(options.scratch)
+    os.chdir(options.scratch if options.scratch is not None else "/")
     os.execvp(command[0], command)
     return 127  # not reached
 

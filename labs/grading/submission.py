@@ -1,32 +1,87 @@
-"""The two hand-offs between grading stages, called from inside the grading kernels.
+"""The two hand-offs between grading stages, and how the grader carries one to the other.
 
 Stage 1 (the learner's kernel) runs the setup cells and the learner's cells, then
 :func:`export` writes the functions the checks need, each pickled by value with cloudpickle,
-and an index saying which names were found. Stage 2 (a fresh kernel that never ran a
-learner's cell) calls :func:`load` to get those functions, runs the reference check cells
-through nbval, then :func:`write_verdicts` records what each check said.
+and an index saying which names were found. Everything stage 1 leaves is the learner's: their
+code can replace :func:`export` and write any file, link or folder there. So the grader
+(outside any sandbox) carries across only what it asked for (:func:`carry`): the index and the
+pickles of the exercise's own names, each a regular file read without following a link and
+within a size, into a folder of its own. Stage 2 (a fresh kernel that never ran a learner's
+cell) calls :func:`load` for those names only, runs the reference check cells through nbval,
+then :func:`write_verdicts` records what each check said.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
+#: The folder, inside a stage's own folder, that holds the exported functions.
+EXPORT = "submission"
 #: Per exported name: ``{"ok": true}`` or ``{"error": "why it could not be exported"}``.
 INDEX = "index.json"
+#: The most bytes the grader reads of one file a stage left (a pickled function is a few KiB;
+#: the index and the verdicts less).
+MAX_FILE_BYTES = 16 << 20
+#: The longest export error carried to the report.
+_MAX_ERROR_CHARS = 500
+
+
+class UnsafeFile(OSError):
+    """A file a stage left that the grader will not read: a link, a folder, a device, a pipe,
+    missing, or over :data:`MAX_FILE_BYTES`. The message says which."""
+
+
+def read_left(folder: Path, *names: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of ``folder/names[0]/.../names[-1]``, a file a sandboxed stage wrote under
+    ``folder`` (a folder the grader made): every component opened without following a link,
+    the last one a regular file of at most ``limit`` bytes. Raises :class:`UnsafeFile`."""
+    where = "/".join(names)
+    if not names or any(part in ("", ".", "..") or "/" in part for part in names):
+        raise UnsafeFile(f"{where}: not a path of plain names")
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | nofollow)
+    except OSError as err:
+        raise UnsafeFile(f"{where}: {err.strerror}") from err
+    try:
+        for part in names[:-1]:
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | nofollow, dir_fd=fd)
+            except OSError as err:
+                raise UnsafeFile(f"{where}: {part} is not a folder ({err.strerror})") from err
+            os.close(fd)
+            fd = inner
+        try:
+            file = os.open(names[-1], os.O_RDONLY | os.O_NONBLOCK | nofollow, dir_fd=fd)
+        except OSError as err:
+            raise UnsafeFile(f"{where}: {err.strerror}") from err
+        if not stat.S_ISREG(os.fstat(file).st_mode):
+            os.close(file)
+            raise UnsafeFile(f"{where}: not a regular file")
+        with os.fdopen(file, "rb") as handle:
+            data = handle.read(limit + 1)
+        if len(data) > limit:
+            raise UnsafeFile(f"{where}: larger than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _blob(directory: Path, name: str) -> Path:
     return directory / f"{name}.pkl"
 
 
-def export(namespace: Mapping[str, Any], names: Sequence[str], directory: str) -> None:
-    """Pickle ``namespace[name]`` for each name into ``directory`` and write the index."""
-    out = Path(directory)
+def export(namespace: Mapping[str, Any], names: Sequence[str], stage: str) -> None:
+    """Pickle ``namespace[name]`` for each name into the stage folder's :data:`EXPORT` folder
+    and write the index."""
+    out = Path(stage) / EXPORT
     out.mkdir(parents=True, exist_ok=True)
     index: dict[str, dict[str, object]] = {}
     for name in names:
@@ -46,19 +101,59 @@ def export(namespace: Mapping[str, Any], names: Sequence[str], directory: str) -
     (out / INDEX).write_text(json.dumps(index))
 
 
-def read_index(directory: Path) -> dict[str, dict[str, object]]:
-    """The export index, read by the grader without unpickling anything."""
-    path = Path(directory) / INDEX
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
+def read_index(stage: Path, names: Sequence[str]) -> dict[str, dict[str, object]]:
+    """The export index of the stage folder ``stage`` for ``names`` only, read without
+    unpickling anything or following a link: per name ``{"ok": True}`` or ``{"error": why}``.
+    An index that is missing, a link, too large or not the JSON :func:`export` writes leaves
+    every name with an error."""
+    problem = ""
+    try:
+        raw = json.loads(read_left(Path(stage), EXPORT, INDEX, limit=1 << 20))
+    except (UnsafeFile, ValueError, UnicodeDecodeError) as err:
+        raw, problem = {}, f" (its export index could not be read: {err})"
+    if not isinstance(raw, dict):
+        raw, problem = {}, " (its export index is not what the grader writes)"
+    index: dict[str, dict[str, object]] = {}
+    for name in names:
+        entry = raw.get(name)
+        if isinstance(entry, dict) and entry.get("ok") is True:
+            index[name] = {"ok": True}
+        elif isinstance(entry, dict) and "error" in entry:
+            index[name] = {"error": str(entry["error"])[:_MAX_ERROR_CHARS]}
+        else:
+            index[name] = {"error": f"`{name}` was not exported{problem}."}
+    return index
 
 
-def load(directory: str) -> dict[str, Any]:
-    """The exported functions, by name (in the judging kernel)."""
-    out = Path(directory)
-    return {name: cloudpickle.loads(_blob(out, name).read_bytes())
-            for name, entry in read_index(out).items() if entry.get("ok")}
+def carry(collected: Path, judged: Path, names: Sequence[str]) -> dict[str, dict[str, object]]:
+    """Copy the exported ``names`` from stage 1's folder ``collected`` (the learner's) into the
+    stage folder ``judged`` (the grader's, new): the index the grader rebuilds and each name's
+    pickle, read with :func:`read_left`. Returns that index; a name whose pickle is unsafe is
+    marked with the reason."""
+    out = judged / EXPORT
+    out.mkdir(parents=True)
+    index = read_index(collected, names)
+    for name, entry in index.items():
+        if not entry.get("ok"):
+            continue
+        try:
+            _blob(out, name).write_bytes(read_left(collected, EXPORT, f"{name}.pkl"))
+        except UnsafeFile as err:
+            index[name] = {"error": f"`{name}` could not be collected: {err}."}
+    (out / INDEX).write_text(json.dumps(index))
+    return index
+
+
+def load(stage: str, names: Sequence[str]) -> dict[str, Any]:
+    """The exported functions among ``names`` (the exercise's, never the index's), by name, in
+    the judging kernel; only what can be called."""
+    loaded = {}
+    for name, entry in read_index(Path(stage), names).items():
+        if entry.get("ok"):
+            value = cloudpickle.loads(_blob(Path(stage) / EXPORT, name).read_bytes())
+            if callable(value):
+                loaded[name] = value
+    return loaded
 
 
 def write_verdicts(results: Sequence[Any], path: str) -> None:

@@ -1,0 +1,246 @@
+"""Grading a hostile learner: notebooks that attack the grader itself, graded as instructors
+grade (``grade``, sandbox on), each of which once passed, harmed the grading machine or
+stopped the batch, and must now fail its exercise with a clear reason and leave the machine
+as it was.
+
+* The judge ran in the folder the learner's kernel wrote: a planted ``conftest.py`` ran as
+  the judge, links made the grader (root) overwrite host files, and the judge loaded every
+  name of the learner-written index, so a fake ``check_*`` replaced the real one.
+* One stage had no deadline (each cell had its own) and no cap on what the grader kept.
+* A malformed export index, a folder where a file was expected, a link loop or a pipe
+  under ``--keep`` stopped the whole batch with a traceback.
+* The sandbox kept root's capabilities when the grader was root: the host's disk could be
+  mounted from a cell.
+
+Every attack is exercise 1.1 (one exercise, about 10 s to grade). The sandbox's privileges
+and limits are tested directly in tests/test_grading_isolation.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labs.grading import grader
+from labs.grading.grader import MAX_OUTPUT_BYTES, GradeSettings, grade
+from labs.grading.handout import load_chapters, release_notebook
+from labs.grading.isolation import isolation_problem
+
+REFERENCE = Path(__file__).resolve().parents[1] / "notebooks"
+TOY = "01_toy_allreduce.ipynb"
+CHAPTER = next(c for c in load_chapters(REFERENCE) if c.name == TOY)
+SOLUTION = CHAPTER.exercise("1.1").solutions[0]
+RIGHT = CHAPTER.nb.cells[SOLUTION].source + "\n"
+WRONG = """
+def average_gradients(model):
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)  # sums; never divides
+"""
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> None:
+    problem = isolation_problem()
+    if problem:
+        pytest.skip(f"no sandbox on this machine: {problem}")
+
+
+def learner(directory: Path, *cells: str, name: str = TOY) -> Path:
+    """A learner's copy of chapter 1 whose exercise 1.1 is ``cells`` (the first one in the
+    solution cell, the others untagged cells right after it)."""
+    nb = release_notebook(CHAPTER)
+    nb.cells[SOLUTION].source = cells[0]
+    for offset, source in enumerate(cells[1:], start=1):
+        nb.cells.insert(SOLUTION + offset, nbformat.v4.new_code_cell(source))
+    path = directory / name
+    nbformat.write(nb, path)
+    return path
+
+
+def only(report: grader.Report) -> grader.ExerciseGrade:
+    (graded,) = report.notebooks[0].exercises
+    return graded
+
+
+# --- the judge trusts nothing stage 1 left ------------------------------------------------------
+
+_PLANT = '''
+import json, os, pathlib
+import cloudpickle
+import labs.grading.submission as _submission
+
+_here = pathlib.Path.cwd()
+(_here / "conftest.py").write_text(
+    "import pytest\\n"
+    "@pytest.hookimpl(hookwrapper=True)\\n"
+    "def pytest_runtest_makereport(item, call):\\n"
+    "    outcome = yield\\n"
+    "    outcome.get_result().outcome = 'passed'\\n")
+(_here / "pytest.py").write_text("raise SystemExit(0)\\n")
+for _name in ("judge.ipynb", "sanitize.cfg", "pytest.ini", "pytest.log", "collect.ipynb",
+              "verdicts.json", "junit.xml"):
+    os.symlink(f"{VICTIMS}/{_name}", _here / _name)
+
+
+def _fake_check(fn, **kwargs):
+    from labs.checks.core import CheckResult, report
+    return report(CheckResult("Exercise 1.1 average_gradients", True,
+                              "every rank holds the mean gradient on 1, 2, 3, 4 rank(s)."))
+
+
+def _export(namespace, names, stage):
+    out = pathlib.Path(stage)
+    out = out if out.name == "submission" else out / "submission"
+    out.mkdir(parents=True, exist_ok=True)
+    shipped = {"average_gradients": namespace["average_gradients"],
+               "check_average_gradients": _fake_check}
+    for name, value in shipped.items():
+        (out / f"{name}.pkl").write_bytes(cloudpickle.dumps(value))
+    (out / "index.json").write_text(json.dumps({n: {"ok": True} for n in shipped}))
+
+
+_submission.export = _export
+'''
+
+
+def test_nothing_stage_one_leaves_reaches_the_judge(sandbox, tmp_path,
+                                                     no_leftover_processes) -> None:
+    """A planted conftest.py and pytest.py, links where the grader writes its files, and a fake
+    check shipped through a replaced export: the judge runs in a folder of its own, loads
+    only the exercise's names, and the host files stay as they were."""
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    for name in ("judge.ipynb", "pytest.log", "collect.ipynb", "verdicts.json"):
+        (victims / name).write_text("the host's own file")
+    path = learner(tmp_path, WRONG + _PLANT.replace("{VICTIMS}", str(victims)))
+    graded = only(grade([path], GradeSettings(hidden=False)))
+    assert not graded.passed
+    assert "SUM" in graded.reason, graded.details  # the real check's diagnosis
+    assert {p.name: p.read_text() for p in victims.iterdir()} == dict.fromkeys(
+        ("judge.ipynb", "pytest.log", "collect.ipynb", "verdicts.json"), "the host's own file")
+
+
+# --- one learner's notebook never stops the batch ----------------------------------------------
+
+_BREAK_THE_FOLDER = '''
+import os, pathlib
+import labs.grading.submission as _submission
+
+
+def _export(namespace, names, stage):
+    out = pathlib.Path(stage)
+    out = out if out.name == "submission" else out / "submission"
+    (out / "index.json").mkdir(parents=True)  # a folder where the index should be
+    os.symlink("loop", out / "loop")
+    os.symlink("a", out / "b")
+    os.symlink("b", out / "a")
+    os.mkfifo(out / "pipe")
+
+
+_submission.export = _export
+'''
+
+
+def test_a_broken_stage_folder_fails_one_exercise_and_the_batch_goes_on(
+        sandbox, tmp_path, monkeypatch, no_leftover_processes) -> None:
+    roots = []
+    make = grader.tempfile.mkdtemp
+    monkeypatch.setattr(grader.tempfile, "mkdtemp",
+                        lambda **kw: roots.append(make(**kw)) or roots[-1])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    broken = learner(tmp_path / "a", RIGHT + _BREAK_THE_FOLDER)
+    honest = learner(tmp_path / "b", RIGHT)
+    keep = tmp_path / "keep"
+    report = grade([broken, honest], GradeSettings(hidden=False, keep=keep))
+    first, second = (n.exercises[0] for n in report.notebooks)
+    assert not first.passed and "export index could not be read" in first.reason, first
+    assert second.passed, second.details
+    assert roots and not Path(roots[0]).exists()  # the scratch folder is gone
+    kept = list(keep.rglob("*"))
+    assert kept and not [p for p in kept if p.is_symlink() or not (p.is_file() or p.is_dir())]
+
+
+# --- one deadline per stage, and a cap on what the grader keeps --------------------------------
+
+_SLEEP = "import time\ntime.sleep(5)\n"
+
+
+def test_a_stage_has_one_deadline_not_one_per_cell(sandbox, tmp_path,
+                                                   no_leftover_processes) -> None:
+    """Three cells of 5 s each under an 8 s limit: each cell keeps within it, the stage does
+    not."""
+    path = learner(tmp_path, RIGHT + _SLEEP, _SLEEP, _SLEEP)
+    start = time.monotonic()
+    graded = only(grade([path], GradeSettings(hidden=False, timeout=8)))
+    assert not graded.passed
+    assert "did not finish within 8 s, the limit of the whole stage" in graded.reason, graded.reason
+    assert time.monotonic() - start < 30
+
+
+def test_the_grader_keeps_a_bounded_part_of_what_a_kernel_prints(
+        sandbox, tmp_path, no_leftover_processes) -> None:
+    """The grader held every byte a kernel printed (512 MiB printed, 1.8 GB of grader)."""
+    printing = "import sys\nfor _ in range(64):\n    sys.stdout.write('x' * (1 << 20))\n"
+    path = learner(tmp_path, RIGHT + printing)
+    keep = tmp_path / "keep"
+    graded = only(grade([path], GradeSettings(hidden=False, keep=keep)))
+    assert graded.passed, graded.details  # printing is no fault; the answer is right
+    (collected,) = keep.rglob("collect.ipynb")
+    assert collected.stat().st_size < MAX_OUTPUT_BYTES + (1 << 20)
+
+
+# --- the sandbox as root -----------------------------------------------------------------------
+
+_MOUNT_THE_DISK = '''
+import ctypes, os, pathlib
+_libc = ctypes.CDLL(None, use_errno=True)
+_tried = []
+for _line in pathlib.Path("/proc/partitions").read_text().splitlines()[2:]:
+    _dev = "/dev/" + _line.split()[-1]
+    for _fs in (b"ext4", b"xfs", b"btrfs", b"overlay"):
+        _ok = _libc.mount(_dev.encode(), b"/tmp", _fs, 1, None) == 0
+        _tried.append((_dev, _fs, _ok, os.path.exists(_dev)))
+        if _ok:
+            break
+assert not any(ok for _, _, ok, _ in _tried), f"mounted the host's disk: {_tried}"
+with open("/proc/sys/kernel/core_pattern", "w") as _f:  # raises
+    _f.write("|/bin/true")
+'''
+
+
+@pytest.mark.slow  # test_grading_isolation checks the same privileges directly, in 1 s
+def test_a_learner_cannot_mount_the_hosts_disk(sandbox, tmp_path,
+                                               no_leftover_processes) -> None:
+    path = learner(tmp_path, _MOUNT_THE_DISK + RIGHT)
+    graded = only(grade([path], GradeSettings(hidden=False)))
+    assert not graded.passed
+    assert "Read-only file system" in graded.reason or "Permission denied" in graded.reason, (
+        graded.reason)
+    assert "OSError" in graded.reason and "AssertionError" not in graded.reason
+
+
+@pytest.mark.slow  # test_grading_isolation checks the memory limit directly, in 1 s
+def test_a_cell_that_takes_too_much_memory_fails_naming_the_limit(
+        sandbox, tmp_path, no_leftover_processes) -> None:
+    path = learner(tmp_path, "_hog = bytearray(8 << 30)\n" + RIGHT)
+    graded = only(grade([path], GradeSettings(hidden=False)))
+    assert not graded.passed
+    assert "MemoryError" in graded.reason and "GiB of memory per process" in graded.reason
+
+
+def test_the_keep_copy_takes_regular_files_only(tmp_path) -> None:
+    root, keep = tmp_path / "root", tmp_path / "keep"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "file").write_text("kept")
+    os.symlink("/etc/hostname", root / "a" / "link")
+    os.symlink("loop", root / "loop")
+    os.symlink(root, root / "a" / "up")
+    os.mkfifo(root / "a" / "pipe")
+    grader.keep_files(root, keep)
+    assert sorted(str(p.relative_to(keep)) for p in keep.rglob("*")) == ["a", "a/file"]
