@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from labs import link as emulated
+from labs import plain_results
 from labs.link import Link, Topology
 from labs.rank_errors import (
     LaunchTimeout,
@@ -152,6 +153,7 @@ class _RankSpec:
     stderr_path: str
     stack_path: str  #: where faulthandler writes the stack when the launcher asks (timeout)
     link: Link | Topology | None = None  #: the emulated wire of labs' point-to-point messages
+    plain: bool = False  #: report as plain data (labs.plain_results), not as a pickle
 
 
 def launch(
@@ -166,6 +168,7 @@ def launch(
     start_method: StartMethod = StartMethod.FORKSERVER,
     failure_grace: float = _FAILURE_GRACE_S,
     link: Link | Topology | None = None,
+    result_types: Sequence[type] | None = None,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
 
@@ -194,6 +197,11 @@ def launch(
             (or fail) before the rest are stopped. The exercise checks wait longer, so that
             ranks failing the same way on a busy machine are all seen and their verdict
             names the same rank every run.
+        result_types: None (default) brings results back by unpickling them. A sequence of
+            dataclasses and enums brings them back as plain data instead
+            (:mod:`labs.plain_results`): tensors, numbers, strings, lists, tuples, dicts and
+            instances of those classes, nothing unpickled, so that ranks running code the
+            caller does not trust (an exercise check's) cannot run any in the caller.
 
     Raises:
         TypeError, ValueError: bad input, before any process starts.
@@ -233,6 +241,7 @@ def launch(
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),
                 stack_path=str(Path(tmp) / f"rank{rank}.stack"), link=link,
+                plain=result_types is not None,
             )
             for rank in range(world_size)
         ]
@@ -244,7 +253,7 @@ def launch(
             # The clock starts once every rank exists: the first launch also starts the
             # forkserver, which imports torch (seconds on a GPU box), and that is no rank's fault.
             outcome = _supervise(ranks, deadline=time.monotonic() + timeout,
-                                 grace=failure_grace)
+                                 grace=failure_grace, result_types=result_types)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
             _stop(ranks, outcome)
         stdout = [_GLOO_CONNECTED.sub("", _read(spec.stdout_path)) for spec in specs]
@@ -258,7 +267,8 @@ def launch(
     if isinstance(outcome, _Failed):
         raise first_failure([dataclasses.replace(f, traceback=name_cells(f.traceback))
                               for f in outcome.failures])
-    results = RankResults(unpack_result(outcome.values[r]) for r in range(world_size))
+    results = RankResults(outcome.values[r] if result_types is not None
+                          else unpack_result(outcome.values[r]) for r in range(world_size))
     results.stdout, results.stderr = stdout, stderr
     results.backend, results.seconds = chosen, time.monotonic() - started
     return results
@@ -390,12 +400,17 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
         emulated.use(spec.link, spec.rank)
         _join_group(spec)
         value = fn(spec.rank, spec.world_size, *args)
-        message: tuple[str, Any] = ("ok", pack_result(value))
+        message: tuple[str, Any] = ("ok", plain_results.encode(("ok", value)) if spec.plain
+                                    else pack_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit too, goes back
         message = ("error", _failure(spec.rank, exc))
     sys.stdout.flush()
     sys.stderr.flush()
-    conn.send(message)
+    if spec.plain:
+        conn.send_bytes(message[1] if message[0] == "ok" else plain_results.encode(
+            ("error", dataclasses.asdict(message[1]))))
+    else:
+        conn.send(message)
     if message[0] == "ok":
         # Stay in the group until every rank has returned: a rank that left early would make
         # a peer still inside a collective fail, hiding the real problem (a hang).
@@ -494,11 +509,11 @@ class _Timeout:
     ranks: list[int]
 
 
-def _supervise(ranks: list[_Rank], deadline: float, grace: float
-               ) -> _Done | _Failed | _Timeout:
+def _supervise(ranks: list[_Rank], deadline: float, grace: float,
+               result_types: Sequence[type] | None = None) -> _Done | _Failed | _Timeout:
     """Wait for every rank's report; stop ``grace`` seconds after the first failure (or
     once every rank has reported), or at the deadline."""
-    values: dict[int, bytes] = {}
+    values: dict[int, Any] = {}
     failures: list[RankFailure] = []
     pending = {r.spec.rank: r for r in ranks}
     give_up_at = deadline
@@ -508,7 +523,7 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float
         ready = set(wait(waitables, timeout=max(0.0, give_up_at - time.monotonic())))
         for rank, r in list(pending.items()):
             if r.conn in ready or (r.process.sentinel in ready and r.conn.poll()):
-                kind, body = _receive(r)
+                kind, body = _receive(r, result_types)
                 if kind == "ok":
                     values[rank] = body
                 else:
@@ -529,11 +544,37 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float
     return _Done(values)
 
 
-def _receive(r: _Rank) -> tuple[str, Any]:
+def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str, Any]:
+    """A rank's report: ("ok", its pickled result, or its result as plain data when
+    ``result_types`` is given) or ("error", a RankFailure)."""
     try:
-        return r.conn.recv()
+        if result_types is None:
+            return r.conn.recv()
+        data = r.conn.recv_bytes(plain_results.MAX_BYTES)
     except (EOFError, OSError):
         return "error", _died(r)
+    try:
+        kind, body = plain_results.decode(data, result_types)
+        if kind == "ok":
+            return "ok", body
+        if kind == "error" and isinstance(body, dict):
+            return "error", _plain_failure(r.spec.rank, body)
+        raise plain_results.NotPlain(f"a report of kind {kind!r}")
+    except (plain_results.NotPlain, TypeError, ValueError) as err:
+        return "error", RankFailure(
+            rank=r.spec.rank, exc_type="UnreadableResult",
+            message=f"rank {r.spec.rank} sent a result that is not plain data: {err}",
+            traceback="", when=time.time())
+
+
+def _plain_failure(rank: int, fields: dict[Any, Any]) -> RankFailure:
+    """The RankFailure a plain report describes, its fields checked (strings, a time)."""
+    texts = {k: fields.get(k) for k in ("exc_type", "message", "traceback")}
+    if not all(isinstance(v, str) for v in texts.values()) or not isinstance(
+            fields.get("when"), (int, float)):
+        raise plain_results.NotPlain("a failure whose fields are not strings and a time")
+    return RankFailure(rank=rank, exc_type=texts["exc_type"], message=texts["message"],
+                       traceback=texts["traceback"], when=float(fields["when"]))
 
 
 #: A rank process imports the main script before it runs anything (forkserver and spawn do),

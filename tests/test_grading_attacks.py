@@ -6,6 +6,9 @@ as it was.
 * The judge ran in the folder the learner's kernel wrote: a planted ``conftest.py`` ran as
   the judge, links made the grader (root) overwrite host files, and the judge loaded every
   name of the learner-written index, so a fake ``check_*`` replaced the real one.
+* The judge unpickled the learner's functions (a ``__reduce__`` ran in the judge and replaced
+  the check) and the ranks' results (a tensor subclass of the learner's answered
+  ``torch.allclose`` with True).
 * One stage had no deadline (each cell had its own) and no cap on what the grader kept.
 * A malformed export index, a folder where a file was expected, a link loop or a pipe
   under ``--keep`` stopped the whole batch with a traceback.
@@ -18,6 +21,8 @@ and limits are tested directly in tests/test_grading_isolation.py.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import time
 from pathlib import Path
@@ -71,8 +76,8 @@ def only(report: grader.Report) -> grader.ExerciseGrade:
 
 _PLANT = '''
 import json, os, pathlib
-import cloudpickle
 import labs.grading.submission as _submission
+from labs.rank_pickle import pack_call
 
 _here = pathlib.Path.cwd()
 (_here / "conftest.py").write_text(
@@ -100,7 +105,7 @@ def _export(namespace, names, stage):
     shipped = {"average_gradients": namespace["average_gradients"],
                "check_average_gradients": _fake_check}
     for name, value in shipped.items():
-        (out / f"{name}.pkl").write_bytes(cloudpickle.dumps(value))
+        (out / f"{name}.pkl").write_bytes(pack_call(value, ()))
     (out / "index.json").write_text(json.dumps({n: {"ok": True} for n in shipped}))
 
 
@@ -123,6 +128,55 @@ def test_nothing_stage_one_leaves_reaches_the_judge(sandbox, tmp_path,
     assert "SUM" in graded.reason, graded.details  # the real check's diagnosis
     assert {p.name: p.read_text() for p in victims.iterdir()} == dict.fromkeys(
         ("judge.ipynb", "pytest.log", "collect.ipynb", "verdicts.json"), "the host's own file")
+
+
+# --- the judge runs none of the learner's code -------------------------------------------------
+
+_REDUCE = '''
+_FAKE = (
+    "from labs.checks.core import CheckResult, report\\n"
+    "def _fake(fn, **kwargs):\\n"
+    "    return report(CheckResult('Exercise 1.1 average_gradients', True, 'every rank holds "
+    "the mean gradient on 1, 2, 3, 4 rank(s).'))\\n"
+    "import sys\\n"
+    "_frame = sys._getframe()\\n"
+    "while _frame is not None:\\n"
+    "    if 'check_average_gradients' in _frame.f_globals:\\n"
+    "        _frame.f_globals['check_average_gradients'] = _fake\\n"
+    "    _frame = _frame.f_back\\n")
+
+
+class _Payload:
+    def __reduce__(self):
+        return (exec, (_FAKE, {}))
+
+
+def average_gradients(model, _unused=_Payload()):
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)  # sums; never divides
+'''
+
+_LIAR = '''
+class _Liar(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("allclose", "equal"):
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+''' + WRONG.replace("dist.all_reduce(param.grad)  # sums; never divides",
+                     "param.grad = param.grad.as_subclass(_Liar)  # agrees with anything")
+
+
+@pytest.mark.parametrize("attack", [_REDUCE, _LIAR], ids=["__reduce__ in the judge",
+                                                           "a tensor that agrees"])
+def test_the_judge_unpickles_nothing_of_the_learners(sandbox, tmp_path, no_leftover_processes,
+                                                      attack) -> None:
+    """The learner's function travels to the ranks sealed, and their results come back as
+    plain data, so neither a pickle's ``__reduce__`` nor a tensor subclass runs in the judge."""
+    graded = only(grade([learner(tmp_path, attack)], GradeSettings(hidden=False)))
+    assert not graded.passed, graded.details
+    assert "every rank holds the mean gradient" not in graded.reason
 
 
 # --- one learner's notebook never stops the batch ----------------------------------------------
@@ -244,3 +298,56 @@ def test_the_keep_copy_takes_regular_files_only(tmp_path) -> None:
     os.mkfifo(root / "a" / "pipe")
     grader.keep_files(root, keep)
     assert sorted(str(p.relative_to(keep)) for p in keep.rglob("*")) == ["a", "a/file"]
+
+
+# --- the hand-off itself -----------------------------------------------------------------------
+
+
+class Wrapper:
+    def __init__(self, module, bucket_cap_mb=25):
+        self.module = module
+
+    def finish_gradient_synchronization(self):
+        return "synchronized"
+
+
+def test_the_judge_holds_sealed_functions_that_open_only_in_a_rank(tmp_path) -> None:
+    from labs.grading import submission
+    from labs.rank_pickle import pack_call, unpack_call
+
+    def average(model, *, scale=1.0):
+        return "averaged"
+
+    collect, judge = tmp_path / "collect", tmp_path / "judge"
+    submission.export({"average": average, "Wrapper": Wrapper, "answer": 42},
+                      ["average", "Wrapper", "answer", "missing"], str(collect))
+    index = submission.carry(collect, judge, ["average", "Wrapper", "answer", "missing"])
+    assert "not a function" in index["answer"]["error"]
+    assert "not defined" in index["missing"]["error"]
+    loaded = submission.load(str(judge), ["average", "Wrapper", "check_average"])
+    assert sorted(loaded) == ["Wrapper", "average"]
+    sealed = loaded["average"]
+    with pytest.raises(RuntimeError, match="runs in a check's ranks, never in the judge"):
+        sealed(None)
+    assert str(inspect.signature(sealed)) == "(model, *, scale=None)"
+    assert not sealed.sealed_class and loaded["Wrapper"].sealed_class
+    assert callable(loaded["Wrapper"].finish_gradient_synchronization)
+    assert str(inspect.signature(loaded["Wrapper"])) == "(module, bucket_cap_mb=None)"
+    fn, _ = unpack_call(pack_call(sealed, ()))  # what a rank gets
+    assert fn(None) == "averaged"
+
+
+@pytest.mark.parametrize("entry", [
+    {"ok": True, "parameters": [["model", 9, False]], "methods": ["__init__"]},
+    {"ok": True, "parameters": "(model)", "methods": "finish"},
+    {"ok": True, "parameters": [["not a name", 1, False]], "methods": [1]},
+])
+def test_a_forged_index_entry_gives_no_signature_and_no_methods(tmp_path, entry) -> None:
+    from labs.grading import submission
+
+    out = tmp_path / submission.EXPORT
+    out.mkdir()
+    (out / "f.pkl").write_bytes(b"not read here")
+    (out / submission.INDEX).write_text(json.dumps({"f": entry}))
+    sealed = submission.load(str(tmp_path), ["f"])["f"]
+    assert not sealed.sealed_class and not hasattr(sealed, "__signature__")

@@ -13,11 +13,14 @@ the explanations of an error or a hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import inspect
 import math
 import os
 import random
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -89,6 +92,13 @@ def validate_check_call(fn: object, world_sizes: object, seed: object, timeout: 
         raise TypeError(f"pass the function itself, e.g. {example}, not its result "
                         f"(got {type(fn).__name__}).")
     validate_run_arguments(world_sizes, seed, timeout)
+
+
+def is_class(value: object) -> bool:
+    """Whether ``value`` is a class: a class, or the grader's sealed stand-in for a learner's
+    class, which a check passes to its ranks without loading it
+    (:class:`labs.grading.submission.Sealed` says so with ``sealed_class``)."""
+    return inspect.isclass(value) or getattr(value, "sealed_class", False) is True
 
 
 def signature_problem(function: str, parameters: Sequence[str], fn: Callable[..., Any]) -> str:
@@ -181,7 +191,8 @@ def run_check(
     for n in plan.world_sizes:
         try:
             results = launcher(worker, n, args=args(n), backend="gloo", timeout=timeout,
-                               echo=False, failure_grace=CHECK_FAILURE_GRACE_S)
+                               echo=False, failure_grace=CHECK_FAILURE_GRACE_S,
+                               result_types=result_types())
         except RankError as err:
             return verdict(False, answer_key_refusal(err) or explain_error(n, err))
         except LaunchTimeout as err:
@@ -191,6 +202,22 @@ def run_check(
         if wrong:
             return verdict(False, wrong)
     return verdict(True, passed)
+
+
+def result_types() -> tuple[type, ...]:
+    """What a check's ranks may send back besides plain values and tensors: the dataclasses
+    and enums defined in the checks package's modules (its case and outcome records). A check
+    launches with these as ``result_types``, so a rank running the learner's code sends plain
+    data the check reads without unpickling anything (:mod:`labs.plain_results`)."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(f"{__package__}.") or module is None:
+            continue
+        for value in vars(module).values():
+            if (isinstance(value, type) and value.__module__ == name
+                    and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))):
+                found.append(value)
+    return tuple(found)
 
 
 # --- reading a failed or hung launch ---------------------------------------------------------

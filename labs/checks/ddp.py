@@ -48,6 +48,7 @@ from labs.checks.core import (
     case_noted,
     failed_case,
     failing_rank,
+    is_class,
     listed,
     raised,
     run_check,
@@ -402,7 +403,7 @@ def _explain_timeout(n: int, err: LaunchTimeout, timeout: float, where: str) -> 
 
 def _validate(exercise: DDPExercise, wrapper_class: object, world_sizes: object, seed: object,
               timeout: object) -> None:
-    if not isinstance(wrapper_class, type):
+    if not is_class(wrapper_class):
         raise TypeError(f"pass the class itself, e.g. {exercise.check_name}("
                         f"{exercise.class_name}), not an instance or a function (got "
                         f"{type(wrapper_class).__name__}).")

@@ -49,8 +49,10 @@ from torch.distributed import distributed_c10d
 from labs.checks.answer_keys import AnswerKeyUsed, answer_keys_refused
 from labs.checks.collectives import CollectiveUsedError
 from labs.checks.core import (
+    CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
+    answer_key_refusal,
     case_noted,
     clean_traceback,
     failed_case,
@@ -58,6 +60,7 @@ from labs.checks.core import (
     listed,
     raised,
     report,
+    result_types,
     run_check,
     signature_problem,
     validate_check_call,
@@ -79,7 +82,7 @@ from labs.checks.fsdp_practice_cases import (
 )
 from labs.checks.watch import GROUP_METHODS, Kind, counted_collectives, patched
 from labs.checks.zero_cases import shard_of
-from labs.launcher import LaunchTimeout, RankError
+from labs.launcher import LaunchTimeout, RankError, launch
 
 #: The most numbers a rank of 7.1 may all-reduce: "one number" (the sum of squares), with
 #: room for a learner who reduces a few (one per unit's, say) in the same call.
@@ -434,6 +437,24 @@ def _run_pieces(fn: Callable[..., Any], plan: PiecesPlan, timeout: float) -> tup
     return run, where
 
 
+#: What the one rank of 7.2 gets beyond the calls' own ``timeout``: its start, and stopping a
+#: call that never returns.
+_PIECES_SLACK_S = 10.0
+
+
+def _pieces_rank(rank: int, world_size: int, fn: Callable[..., Any], plan: PiecesPlan,
+                 timeout: float, exercise: str) -> tuple[_PiecesRun, str, str]:
+    """The one rank of a 7.2 check: every call of the plan (:func:`_run_pieces`) with labs'
+    own shard_pieces refused. Returns what the calls gave, where a call was stopped ('' when
+    none was), and the refusal's message ('' when no answer key was called)."""
+    try:
+        with answer_keys_refused(exercise):
+            run, where = _run_pieces(fn, plan, timeout)
+    except AnswerKeyUsed as refused:
+        return _PiecesRun(), "", str(refused)
+    return run, where, ""
+
+
 # --- 7.2, judging ----------------------------------------------------------------------------
 
 
@@ -557,8 +578,9 @@ def check_shard_pieces(
     concatenation in order is exactly this rank's new shard's real elements: flat elements
     ``[rank*k_new, min((rank+1)*k_new, numel))``, ``k_new = ceil(numel / world_size)``. One
     piece per saved rank that holds some of them, no empty piece, ``[]`` for a shard of
-    padding only. Called here, in this process, for every rank of every case (no ranks
-    start); the calls get ``timeout`` seconds in all.
+    padding only. Called for every rank of every case, in one process started for it (the
+    checking process never runs the learner's code); the calls get ``timeout`` seconds in
+    all.
 
     A non-zero ``seed`` also runs two more cases (a numel up to 60, saved on and loaded on 1
     to 8 ranks), drawn from ``random.Random(seed)``; the verdict names them."""
@@ -575,12 +597,18 @@ def check_shard_pieces(
     if problem:
         return verdict(False, problem)
     try:
-        # Entered here, not in the thread: a call that never returns must not leave the
-        # learner's process with labs' shard_pieces refused.
-        with answer_keys_refused(exercise.value):
-            run, where = _run_pieces(shard_pieces, plan, timeout)
-    except AnswerKeyUsed as refused:
-        return verdict(False, str(refused))
+        # One rank, not this process: the checking process never runs the learner's code.
+        ((run, where, refused),) = launch(
+            _pieces_rank, 1, args=(shard_pieces, plan, timeout, exercise.value),
+            backend="gloo", timeout=timeout + _PIECES_SLACK_S, echo=False,
+            failure_grace=CHECK_FAILURE_GRACE_S, result_types=result_types())
+    except RankError as err:
+        return verdict(False, answer_key_refusal(err) or raised(failing_rank(err)))
+    except LaunchTimeout:
+        return verdict(False, f"{exercise.function} did not return within {timeout:g} s, and "
+                              "its process could not be stopped (a call blocked outside Python?)")
+    if refused:
+        return verdict(False, refused)
     wrong = _judge_pieces(plan, run, timeout, where)
     if wrong:
         return verdict(False, wrong)

@@ -1,32 +1,38 @@
 """Grade learners' notebooks: the learner's code, the reference's checks, compared by nbval.
 
-For every exercise of a learner's notebook, in two stages, each in its own kernel and each
-within the time limit (``GradeSettings.timeout``):
+For every exercise of a learner's notebook, in two stages, each in its own kernel, its own
+folder and its own sandbox, and each within one deadline (``GradeSettings.timeout``):
 
 1. **Collect.** A fresh kernel runs the reference's ``setup`` cells, the reference solutions of
    the exercises before this one, then the learner's cells for this exercise (see
-   :func:`labs.grading.notebook.learner_cells`), and pickles the functions the checks take.
-   The learner's stored outputs are never read.
-2. **Judge.** Another fresh kernel, which never runs a learner's cell, imports the check
-   functions (or runs the ``setup`` cells: :func:`judge_prelude`), loads the learner's
-   functions, and runs the reference's check cells, once as written and once with ``seed=``
-   (hidden cases drawn at grading time), under ``pytest --nbval-lax`` against the outputs
-   stored in the reference. A sanitizer reduces both sides to the
-   verdict (``PASS: Exercise 2.1``), because the hidden run's message names its cases.
+   :func:`labs.grading.notebook.learner_cells`), and pickles the functions the checks take,
+   in the stage folder ``collect/``, the only folder of the machine it may write. The
+   learner's stored outputs are never read, and the grader keeps at most
+   :data:`MAX_OUTPUT_BYTES` of what the kernel prints.
+2. **Judge.** The grader makes a new folder ``judge/`` and copies into it only the exercise's
+   own pickles (:func:`labs.grading.submission.carry`: regular files, no links, capped). Another
+   fresh kernel, which never runs a learner's cell, imports the check functions (or runs the
+   ``setup`` cells: :func:`judge_prelude`), takes the learner's functions *sealed* (never
+   unpickled there: :class:`labs.grading.submission.Sealed`), and runs the reference's check
+   cells, once as written and once with ``seed=`` (hidden cases drawn at grading time), under
+   ``pytest --nbval-lax`` against the outputs stored in the reference. The checks run the
+   learner's functions in their ranks, whose results come back as plain data
+   (:mod:`labs.plain_results`). A sanitizer reduces both sides to the verdict
+   (``PASS: Exercise 2.1``), because the hidden run's message names its cases.
 
-So printing a fake verdict, editing stored outputs, or redefining or monkeypatching the
-checker or ``launch`` in a cell changes nothing the judge sees. Each exercise is graded on its
-own: the other exercises' code comes from the reference, so one broken exercise fails only
-itself. Processes started by a stage are killed when it ends (:mod:`labs.grading.sandbox`).
+So printing a fake verdict, editing stored outputs, redefining or monkeypatching the checker
+or ``launch`` in a cell, replacing the export, or planting files in the first stage's folder
+changes nothing the judge sees. Each exercise is graded on its own: the other exercises' code
+comes from the reference, so one broken exercise fails only itself, and anything that goes
+wrong inside one exercise is that exercise's FAIL, never the end of the batch. Processes
+started by a stage are killed when it ends (:mod:`labs.grading.sandbox`).
 
 Both stages' kernels (and the ranks they start) run in a sandbox
-(:mod:`labs.grading.isolation`): they read the Python environment and write only the
-exercise's scratch folder, which holds the composed notebook; the reference notebooks, the
-rest of the disk and the network beyond their own loopback are out of reach. Inside the
-checks, the library's own solution of the exercise is refused
-(:mod:`labs.checks.answer_keys`). ``grade`` refuses to start where no sandbox can be made,
-unless the instructor asks for ``isolation=Isolation.NONE`` (``--no-isolation``), and the
-report then says so.
+(:mod:`labs.grading.isolation`): no privilege, the Python environment read-only, only their
+stage folder writable, their own loopback, limits. Inside the checks, the library's own
+solution of the exercise is refused (:mod:`labs.checks.answer_keys`). ``grade`` refuses to
+start where no sandbox can be made, unless the instructor asks for
+``isolation=Isolation.NONE`` (``--no-isolation``), and the report then says so.
 """
 
 from __future__ import annotations

@@ -1,26 +1,34 @@
 """The two hand-offs between grading stages, and how the grader carries one to the other.
 
 Stage 1 (the learner's kernel) runs the setup cells and the learner's cells, then
-:func:`export` writes the functions the checks need, each pickled by value with cloudpickle,
-and an index saying which names were found. Everything stage 1 leaves is the learner's: their
+:func:`export` writes the functions the checks need, each pickled by value as the launcher
+sends a function to its ranks, and an index saying which names were found, with each one's
+parameters. Everything stage 1 leaves is the learner's: their
 code can replace :func:`export` and write any file, link or folder there. So the grader
 (outside any sandbox) carries across only what it asked for (:func:`carry`): the index and the
 pickles of the exercise's own names, each a regular file read without following a link and
 within a size, into a folder of its own. Stage 2 (a fresh kernel that never ran a learner's
 cell) calls :func:`load` for those names only, runs the reference check cells through nbval,
 then :func:`write_verdicts` records what each check said.
+
+The judge never unpickles the learner's functions: unpickling runs code (an object's
+``__reduce__``), which could rewrite the checks before they run. :func:`load` gives the judge
+a :class:`Sealed` function for each name, holding the pickle and the parameters stage 1
+read; the checks pass it to their ranks, where it is unpickled and run, and the ranks' results
+come back as plain data (:mod:`labs.plain_results`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import cloudpickle
+from labs.rank_pickle import pack_call, unpack_call
 
 #: The folder, inside a stage's own folder, that holds the exported functions.
 EXPORT = "submission"
@@ -93,12 +101,92 @@ def export(namespace: Mapping[str, Any], names: Sequence[str], stage: str) -> No
             index[name] = {"error": f"`{name}` is a {type(value).__name__}, not a function."}
             continue
         try:
-            _blob(out, name).write_bytes(cloudpickle.dumps(value))
+            _blob(out, name).write_bytes(pack_call(value, ()))
         except Exception as err:  # noqa: BLE001 - any pickling failure is the learner's to see
             index[name] = {"error": f"`{name}` cannot be sent to the ranks: {err!r}"}
             continue
-        index[name] = {"ok": True}
+        index[name] = {"ok": True, "parameters": _parameters(value),
+                       "methods": _methods(value) if inspect.isclass(value) else None}
     (out / INDEX).write_text(json.dumps(index))
+
+
+#: inspect's parameter kinds, by the number each one is.
+_KINDS = sorted((inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.KEYWORD_ONLY,
+                 inspect.Parameter.VAR_KEYWORD), key=int)
+
+
+def _parameters(value: Callable[..., Any]) -> list[list[object]] | None:
+    """``value``'s parameters as ``[name, kind, has_default]`` lists, None when they cannot be
+    read."""
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):
+        return None
+    return [[p.name, int(p.kind), p.default is not p.empty]
+            for p in signature.parameters.values()]
+
+
+def _methods(cls: type) -> list[str]:
+    """The names of a class's public methods (what a check may look for before it runs it)."""
+    return sorted(n for n in dir(cls) if not n.startswith("_") and callable(
+        inspect.getattr_static(cls, n, None)))
+
+
+def _signature(parameters: object) -> inspect.Signature | None:
+    """The signature :func:`_parameters` described, or None when the description is not one
+    (it comes from the learner's kernel)."""
+    if not isinstance(parameters, list) or len(parameters) > 64:
+        return None
+    params = []
+    try:
+        for name, kind, has_default in parameters:
+            if not (isinstance(name, str) and name.isidentifier() and kind in range(len(_KINDS))
+                    and isinstance(has_default, bool)):
+                return None
+            params.append(inspect.Parameter(
+                name, _KINDS[kind], default=None if has_default else inspect.Parameter.empty))
+        return inspect.Signature(params)
+    except (TypeError, ValueError):
+        return None
+
+
+class Sealed:
+    """A learner's function as the judge holds it: its pickle, never loaded here. Called in
+    the judge it raises; pickled (to a rank) it becomes the learner's function again there.
+    ``inspect.signature`` reads the parameters stage 1 recorded, so that a check can say
+    before any rank starts that the function takes the wrong arguments."""
+
+    def __init__(self, name: str, blob: bytes, signature: inspect.Signature | None,
+                 methods: Sequence[str] | None = None) -> None:
+        self.__name__ = self.__qualname__ = name
+        self._blob = blob
+        if signature is not None:
+            self.__signature__ = signature
+        self.sealed_class = methods is not None
+        """True for a learner's class: :func:`labs.checks.core.is_class` reads it."""
+        for method in methods or ():
+            if not hasattr(self, method):
+                setattr(self, method, self)  # present, and as uncallable here as the rest
+
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
+        raise RuntimeError(f"`{self.__name__}` is the learner's function: it runs in a check's "
+                           "ranks, never in the judge.")
+
+    def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
+        return unseal, (self._blob,)
+
+    def __repr__(self) -> str:
+        return f"<the learner's {self.__name__}, sealed>"
+
+
+def unseal(blob: bytes) -> Any:
+    """The learner's function from its pickle (in a rank, where :class:`Sealed` arrives)."""
+    unpacked = unpack_call(blob)
+    if not (isinstance(unpacked, tuple) and len(unpacked) == 2 and callable(unpacked[0])):
+        raise TypeError("the exported function is not what the grader's export writes (was "
+                        "labs.grading.submission.export replaced?)")
+    return unpacked[0]
 
 
 def read_index(stage: Path, names: Sequence[str]) -> dict[str, dict[str, object]]:
@@ -117,7 +205,12 @@ def read_index(stage: Path, names: Sequence[str]) -> dict[str, dict[str, object]
     for name in names:
         entry = raw.get(name)
         if isinstance(entry, dict) and entry.get("ok") is True:
-            index[name] = {"ok": True}
+            methods = entry.get("methods")
+            plain = isinstance(methods, list) and len(methods) <= 256 and all(
+                isinstance(m, str) and m.isidentifier() and not m.startswith("_")
+                for m in methods)
+            index[name] = {"ok": True, "parameters": entry.get("parameters"),
+                           "methods": methods if plain else None}
         elif isinstance(entry, dict) and "error" in entry:
             index[name] = {"error": str(entry["error"])[:_MAX_ERROR_CHARS]}
         else:
@@ -144,16 +237,12 @@ def carry(collected: Path, judged: Path, names: Sequence[str]) -> dict[str, dict
     return index
 
 
-def load(stage: str, names: Sequence[str]) -> dict[str, Any]:
+def load(stage: str, names: Sequence[str]) -> dict[str, Sealed]:
     """The exported functions among ``names`` (the exercise's, never the index's), by name, in
-    the judging kernel; only what can be called."""
-    loaded = {}
-    for name, entry in read_index(Path(stage), names).items():
-        if entry.get("ok"):
-            value = cloudpickle.loads(_blob(Path(stage) / EXPORT, name).read_bytes())
-            if callable(value):
-                loaded[name] = value
-    return loaded
+    the judging kernel, each :class:`Sealed`: nothing is unpickled here."""
+    return {name: Sealed(name, read_left(Path(stage), EXPORT, f"{name}.pkl"),
+                         _signature(entry.get("parameters")), entry.get("methods"))
+            for name, entry in read_index(Path(stage), names).items() if entry.get("ok")}
 
 
 def write_verdicts(results: Sequence[Any], path: str) -> None:
