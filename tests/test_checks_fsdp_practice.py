@@ -1,5 +1,5 @@
 """The checks of chapter 7's exercises, 7.1 (clipping across FSDP's shards, on real ranks) and
-7.2 (the pieces of a saved checkpoint that make a new shard, in this process), pass right
+7.2 (the pieces of a saved checkpoint that make a new shard, in one rank), pass right
 answers and fail each typical wrong answer with its reason.
 
 As in test_checks_zero.py: first the reference solutions, then other right answers, then one

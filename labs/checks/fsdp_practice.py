@@ -350,7 +350,7 @@ def _clip_timeout(n: int, err: LaunchTimeout, timeout: float, where: str) -> str
             "(its sum of squares is 0) and even when the norm is below max_norm.")
 
 
-# --- 7.2, calling the learner's function in this process ---------------------------------------
+# --- 7.2, calling the learner's function (in the check's one rank) ----------------------------
 
 
 class _Stopped(BaseException):
