@@ -30,7 +30,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labs.grading import grader
+from labs.grading import grader, submission
 from labs.grading.grader import MAX_OUTPUT_BYTES, GradeSettings, grade
 from labs.grading.handout import load_chapters, release_notebook
 from labs.grading.isolation import isolation_problem
@@ -296,7 +296,7 @@ def test_the_keep_copy_takes_regular_files_only(tmp_path) -> None:
     os.symlink("loop", root / "loop")
     os.symlink(root, root / "a" / "up")
     os.mkfifo(root / "a" / "pipe")
-    grader.keep_files(root, keep)
+    submission.keep_files(root, keep)
     assert sorted(str(p.relative_to(keep)) for p in keep.rglob("*")) == ["a", "a/file"]
 
 
@@ -312,7 +312,6 @@ class Wrapper:
 
 
 def test_the_judge_holds_sealed_functions_that_open_only_in_a_rank(tmp_path) -> None:
-    from labs.grading import submission
     from labs.rank_pickle import pack_call, unpack_call
 
     def average(model, *, scale=1.0):
@@ -343,7 +342,6 @@ def test_the_judge_holds_sealed_functions_that_open_only_in_a_rank(tmp_path) -> 
     {"ok": True, "parameters": [["not a name", 1, False]], "methods": [1]},
 ])
 def test_a_forged_index_entry_gives_no_signature_and_no_methods(tmp_path, entry) -> None:
-    from labs.grading import submission
 
     out = tmp_path / submission.EXPORT
     out.mkdir()

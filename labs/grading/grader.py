@@ -39,15 +39,11 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import random
 import re
 import shutil
-import stat
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -66,8 +62,8 @@ from labs.grading import submission
 from labs.grading.handout import METADATA_KEY, load_chapters
 from labs.grading.isolation import Isolation, Limits, isolated, isolation_problem
 from labs.grading.notebook import Chapter, ExerciseCells, GradingError, learner_cells
-from labs.grading.sandbox import ProcessSweep, kill_new
-from labs.grading.submission import UnsafeFile, read_left
+from labs.grading.sandbox import MAX_OUTPUT_BYTES, Deadline, ProcessSweep, run_capped
+from labs.grading.submission import UnsafeFile, keep_files, read_left
 
 #: The course's reference notebooks (this checkout's notebooks/).
 DEFAULT_REFERENCE_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -84,9 +80,6 @@ _ANSI = re.compile(r"(\x1b|#x1B)\[[0-9;]*m")  # junit XML writes ESC as "#x1B"
 _CURRENT_ENV = "labs-grading-current-env"
 _SOCKETS = "kernel-socket"  # prefix of the stage-1 kernel's ipc socket files (not kept)
 _LEARNER = "labs_grading_learner"  # cell metadata key marking the learner's cells in stage 1
-#: The most bytes of output the grader keeps from one stage (the learner's kernel may print
-#: without end): past it, outputs are dropped and the verdict says so.
-MAX_OUTPUT_BYTES = 4 << 20
 #: What a learner's kernel and its ranks may use (:class:`labs.grading.isolation.Limits`).
 LIMITS = Limits()
 #: The stage folders of one exercise: stage 1's (the learner's kernel writes there) and the
@@ -297,26 +290,6 @@ def _grade_safely(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: Ex
                              time.perf_counter() - start)
 
 
-def keep_files(root: Path, keep: Path, limit: int = 64 << 20) -> None:
-    """Copy the regular files under ``root`` (what the stages left, the learner's files among
-    them) to ``keep``, never following a link, skipping sockets, pipes, devices and any file
-    over ``limit`` bytes."""
-    for folder, dirs, files in os.walk(root, followlinks=False):
-        relative = Path(folder).relative_to(root)
-        for name in files:
-            try:
-                data = read_left(Path(folder), name, limit=limit)
-            except UnsafeFile:
-                continue
-            target = keep / relative / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.is_symlink() or (target.exists() and not target.is_file()):
-                continue
-            target.write_bytes(data)
-        dirs[:] = [d for d in dirs
-                   if stat.S_ISDIR(os.lstat(os.path.join(folder, d)).st_mode)]
-
-
 def _read_learner(path: Path) -> nbformat.NotebookNode | str:
     """The learner's notebook, or why it cannot be read (then every exercise fails)."""
     try:
@@ -361,29 +334,6 @@ def _too_long(timeout: float) -> str:
     return (f"your code did not finish within {timeout:g} s, the limit of the whole stage that "
             "runs your cells (a loop that never ends, or a long call at the top level of a "
             "cell?)")
-
-
-class Deadline:
-    """``with Deadline(seconds, sweep): ...``: one deadline for a whole stage. When it passes,
-    every process the stage started (``sweep``'s) is killed, so that whatever waits on them
-    returns; :attr:`passed` then says so."""
-
-    def __init__(self, seconds: float, sweep: ProcessSweep) -> None:
-        self.passed = False
-        self._sweep = sweep
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-
-    def _expire(self) -> None:
-        self.passed = True
-        kill_new(self._sweep.before)
-
-    def __enter__(self) -> Deadline:
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
 
 
 class _CappedClient(NotebookClient):
@@ -543,7 +493,7 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
     ]
     if isolation is Isolation.SANDBOX:  # nbval's kernel too: it runs the learner's functions
         command = isolated(command, scratch=stage)
-    returncode, log = _run_capped(command, stage, timeout)
+    returncode, log = run_capped(command, stage, timeout)
     (work / "pytest.log").write_text(log)
     if returncode is None:
         return (False, f"the checks did not finish within {timeout:g} s", "", ())
@@ -560,37 +510,6 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
         return False, _last_error_line(failures[0]), "\n\n".join(failures), checks
     return False, (f"the checks did not run (pytest exit code {returncode}): "
                    f"{_clip(log)}"), log, checks
-
-
-def _run_capped(command: Sequence[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
-    """Run ``command``; (its exit code, or None when it ran past ``timeout`` and was killed,
-    and the first :data:`MAX_OUTPUT_BYTES` of what it printed)."""
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    kept = bytearray()
-    dropped = 0
-
-    def drain() -> None:
-        nonlocal dropped
-        assert proc.stdout is not None
-        while chunk := proc.stdout.read(65536):
-            room = MAX_OUTPUT_BYTES - len(kept)
-            kept.extend(chunk[:max(room, 0)])
-            dropped += max(len(chunk) - max(room, 0), 0)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        returncode: int | None = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        returncode = None
-    reader.join(timeout=5)
-    text = kept.decode(errors="replace")
-    if dropped:
-        text += f"\n[{dropped} more bytes of output dropped]"
-    return returncode, text
 
 
 def _read_verdicts(stage: Path, name: str) -> tuple[dict[str, object], ...]:

@@ -1,4 +1,5 @@
-"""Leave no process behind: whatever a learner's code starts is killed when its stage ends.
+"""Leave no process behind: whatever a learner's code starts is killed when its stage ends,
+or when its deadline passes, and the grader keeps a bounded part of what it printed.
 
 A learner's notebook may start ranks that hang, or a kernel that never returns. Each grading
 stage runs inside :class:`ProcessSweep`: on exit it kills every process that descends from
@@ -13,11 +14,18 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 
 import psutil
 
+#: The most bytes of output the grader keeps from one stage (the learner's kernel may print
+#: without end): past it, outputs are dropped and the verdict says so.
+MAX_OUTPUT_BYTES = 4 << 20
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -109,3 +117,57 @@ class ProcessSweep:
         finally:
             if not self._was_subreaper:
                 set_subreaper(False)
+
+
+class Deadline:
+    """``with Deadline(seconds, sweep): ...``: one deadline for a whole stage. When it passes,
+    every process the stage started (``sweep``'s) is killed, so that whatever waits on them
+    returns; :attr:`passed` then says so."""
+
+    def __init__(self, seconds: float, sweep: ProcessSweep) -> None:
+        self.passed = False
+        self._sweep = sweep
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def _expire(self) -> None:
+        self.passed = True
+        kill_new(self._sweep.before)
+
+    def __enter__(self) -> Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+def run_capped(command: Sequence[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
+    """Run ``command``; (its exit code, or None when it ran past ``timeout`` and was killed,
+    and the first :data:`MAX_OUTPUT_BYTES` of what it printed)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    kept = bytearray()
+    dropped = 0
+
+    def drain() -> None:
+        nonlocal dropped
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read(65536):
+            room = MAX_OUTPUT_BYTES - len(kept)
+            kept.extend(chunk[:max(room, 0)])
+            dropped += max(len(chunk) - max(room, 0), 0)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        returncode: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        returncode = None
+    reader.join(timeout=5)
+    text = kept.decode(errors="replace")
+    if dropped:
+        text += f"\n[{dropped} more bytes of output dropped]"
+    return returncode, text

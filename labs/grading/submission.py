@@ -251,3 +251,23 @@ def write_verdicts(results: Sequence[Any], path: str) -> None:
         {"exercise": r.exercise, "passed": bool(r.passed), "message": str(r.message)}
         for r in results
     ]))
+
+
+def keep_files(root: Path, keep: Path, limit: int = 64 << 20) -> None:
+    """Copy the regular files under ``root`` (what the stages left, the learner's files among
+    them) to ``keep``, never following a link, skipping sockets, pipes, devices and any file
+    over ``limit`` bytes."""
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        relative = Path(folder).relative_to(root)
+        for name in files:
+            try:
+                data = read_left(Path(folder), name, limit=limit)
+            except UnsafeFile:
+                continue
+            target = keep / relative / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or (target.exists() and not target.is_file()):
+                continue
+            target.write_bytes(data)
+        dirs[:] = [d for d in dirs
+                   if stat.S_ISDIR(os.lstat(os.path.join(folder, d)).st_mode)]
