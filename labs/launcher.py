@@ -131,12 +131,17 @@ class RankResults(list):
         stdout, stderr: captured text per rank (index = rank).
         backend: the backend the ranks used.
         seconds: wall time of the launch.
+        written: with ``count_writes``, the bytes each rank wrote by its own system calls
+            (``wchar`` of ``/proc/PID/io``, counted by the kernel) up to the moment every
+            rank had reported, less what it wrote to its output and its report: its messages
+            (gloo writes each one), and any file it wrote. None otherwise.
     """
 
     stdout: list[str]
     stderr: list[str]
     backend: Backend
     seconds: float
+    written: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,8 @@ def launch(
     failure_grace: float = _FAILURE_GRACE_S,
     link: Link | Topology | None = None,
     result_types: Sequence[type] | None = None,
+    rank_args: Sequence[Sequence[Any]] | None = None,
+    count_writes: bool = False,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
 
@@ -180,6 +187,11 @@ def launch(
         fn: the worker, called as ``fn(rank, world_size, *args)`` in every rank.
         world_size: number of ranks, 1..MAX_WORLD_SIZE.
         args: extra positional arguments, sent by value to every rank.
+        count_writes: count the bytes each rank writes, by the kernel's count
+            (``results.written``; needs ``result_types``).
+        rank_args: one tuple per rank, appended to ``args`` for that rank only:
+            ``fn(rank, world_size, *args, *rank_args[rank])``. What one rank must not see of
+            another's (an exercise check's hidden inputs) goes here.
         backend: ``"auto"`` (nccl when there is one GPU per rank, gloo otherwise),
             ``"gloo"`` or ``"nccl"``. Under nccl, rank k uses ``cuda:k``.
         timeout: seconds the ranks may run, counted once all of them have started; then
@@ -227,7 +239,13 @@ def launch(
     if link is not None and chosen is not Backend.GLOO:
         raise ValueError("the emulated link runs on gloo (ranks on one machine, one clock): "
                          "pass backend='gloo' with link=.")
-    payload = pack_call(fn, args)
+    if rank_args is not None:
+        _check_rank_args(rank_args, world_size)
+    if count_writes and result_types is None:
+        raise ValueError("count_writes needs result_types: the bytes of a plain report are "
+                         "known, and taken off what the rank wrote.")
+    payloads = [pack_call(fn, tuple(args) + tuple(rank_args[r] if rank_args else ()))
+                for r in range(world_size)]
     started = time.monotonic()
     ctx = mp.get_context(start_method.value)
     if start_method is StartMethod.FORKSERVER:
@@ -248,12 +266,13 @@ def launch(
         ranks: list[_Rank] = []
         outcome: _Done | _Failed | _Timeout | None = None
         try:
-            for spec in specs:
+            for spec, payload in zip(specs, payloads, strict=True):
                 ranks.append(_Rank.start(ctx, payload, spec))
             # The clock starts once every rank exists: the first launch also starts the
             # forkserver, which imports torch (seconds on a GPU box), and that is no rank's fault.
             outcome = _supervise(ranks, deadline=time.monotonic() + timeout,
-                                 grace=failure_grace, result_types=result_types)
+                                 grace=failure_grace, result_types=result_types,
+                                 count_writes=count_writes)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
             _stop(ranks, outcome)
         stdout = [_GLOO_CONNECTED.sub("", _read(spec.stdout_path)) for spec in specs]
@@ -271,6 +290,8 @@ def launch(
                           else unpack_result(outcome.values[r]) for r in range(world_size))
     results.stdout, results.stderr = stdout, stderr
     results.backend, results.seconds = chosen, time.monotonic() - started
+    if outcome.written is not None:
+        results.written = [outcome.written[r] for r in range(world_size)]
     return results
 
 
@@ -331,6 +352,16 @@ def _check_inputs(
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it.")
     return choose_backend(backend, world_size)
+
+
+def _check_rank_args(rank_args: object, world_size: int) -> None:
+    if isinstance(rank_args, (str, bytes)) or not isinstance(rank_args, Sequence) or any(
+            isinstance(a, (str, bytes)) or not isinstance(a, Sequence) for a in rank_args):
+        raise TypeError("rank_args must be a sequence of one tuple per rank, e.g. "
+                        "rank_args=[(x0,), (x1,)] for two ranks.")
+    if len(rank_args) != world_size:
+        raise ValueError(f"rank_args holds {len(rank_args)} tuple(s) for {world_size} rank(s): "
+                         "give one per rank.")
 
 
 def choose_backend(backend: object, world_size: int, *, ranks: str = "world_size") -> Backend:
@@ -482,6 +513,7 @@ class _Rank:
     spec: _RankSpec
     process: Any  # multiprocessing.Process of the chosen context
     conn: Connection
+    report_bytes: int = 0  #: what its plain report took on the pipe (with its 4-byte length)
 
     @classmethod
     def start(cls, ctx: Any, payload: bytes, spec: _RankSpec) -> _Rank:
@@ -497,6 +529,7 @@ class _Rank:
 @dataclass(frozen=True)
 class _Done:
     values: dict[int, bytes]
+    written: dict[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -510,9 +543,11 @@ class _Timeout:
 
 
 def _supervise(ranks: list[_Rank], deadline: float, grace: float,
-               result_types: Sequence[type] | None = None) -> _Done | _Failed | _Timeout:
+               result_types: Sequence[type] | None = None, count_writes: bool = False
+               ) -> _Done | _Failed | _Timeout:
     """Wait for every rank's report; stop ``grace`` seconds after the first failure (or
-    once every rank has reported), or at the deadline."""
+    once every rank has reported), or at the deadline. With ``count_writes``, read what each
+    rank wrote once all have reported and before any is released (:func:`_written`)."""
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
     pending = {r.spec.rank: r for r in ranks}
@@ -539,9 +574,25 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float,
         return _Failed(failures)
     if pending:
         return _Timeout(sorted(pending))
+    written = {r.spec.rank: _written(r) for r in ranks} if count_writes else None
     for r in ranks:
         r.conn.send("release")
-    return _Done(values)
+    return _Done(values, written)
+
+
+def _written(r: _Rank) -> int:
+    """The bytes rank ``r`` passed to write system calls (the kernel's count, ``wchar``), less
+    its output files and its report; -1 where the kernel does not say (not Linux, or the rank
+    is gone). Read while every rank waits for its release: whatever a rank sent before its
+    peers could report is in it, whichever rank reported first."""
+    try:
+        fields = dict(line.split(":", 1) for line in
+                      Path(f"/proc/{r.process.pid}/io").read_text().splitlines())
+        total = int(fields["wchar"])
+        printed = sum(os.path.getsize(p) for p in (r.spec.stdout_path, r.spec.stderr_path))
+    except (OSError, KeyError, ValueError):
+        return -1
+    return total - printed - r.report_bytes
 
 
 def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str, Any]:
@@ -553,6 +604,7 @@ def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str,
         data = r.conn.recv_bytes(plain_results.MAX_BYTES)
     except (EOFError, OSError):
         return "error", _died(r)
+    r.report_bytes = len(data) + 4
     try:
         kind, body = plain_results.decode(data, result_types)
         if kind == "ok":

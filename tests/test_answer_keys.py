@@ -10,7 +10,10 @@ caught refusal) with a one-line verdict naming the key, and pass the notebooks' 
 
 import functools
 import importlib
+import inspect
 import math  # noqa: F401  (chapter 7's setup: its solution, run into this module, uses it)
+import sys
+import textwrap
 import threading
 import types
 
@@ -209,6 +212,43 @@ def test_an_error_without_a_refusal_passes_through_and_the_code_comes_back():
     assert refused_function("labs.checkpoint.shard_pieces").__code__ is code
 
 
+def _copy_of(function: types.FunctionType, source: str = "") -> types.FunctionType:
+    """What ``exec(inspect.getsource(key))`` gives a learner: a new function of the key's code
+    (inside a scope, getsource reads the refusal's own lines: pass the key's ``source``)."""
+    namespace = dict(vars(importlib.import_module(function.__module__)))
+    exec(textwrap.dedent(source or inspect.getsource(function)), namespace)
+    return namespace[function.__name__]
+
+
+def test_a_copy_of_a_key_is_refused_however_it_was_made():
+    by_source = _copy_of(labs.checkpoint.shard_pieces)
+    original = labs.checkpoint.shard_pieces
+    by_code = types.FunctionType(original.__code__, original.__globals__, "mine")
+    assert by_source(10, 4, 2, 0) == [(0, 0, 3), (1, 0, 2)]
+    for copy in (by_source, by_code):
+        with pytest.raises(AnswerKeyUsed, match="`labs.checkpoint.shard_pieces`"):
+            with answer_keys_refused("7.2"):
+                copy(10, 4, 2, 0)
+    assert by_source(10, 4, 2, 0) == [(0, 0, 3), (1, 0, 2)]  # the watch is gone after it
+    assert sys.getprofile() is None
+
+
+def test_a_copy_made_and_run_in_a_thread_inside_the_scope_is_refused():
+    source = inspect.getsource(labs.checkpoint.shard_pieces)
+
+    def run() -> None:
+        try:
+            _copy_of(labs.checkpoint.shard_pieces, source)(10, 4, 2, 0)
+        except AnswerKeyUsed:
+            pass
+
+    with pytest.raises(AnswerKeyUsed, match="exercise 7.2"):
+        with answer_keys_refused("7.2"):
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+
+
 def test_scopes_nest():
     code = refused_function("labs.collectives.ring_all_reduce").__code__
     with answer_keys_refused("2.1"), answer_keys_refused("4.2"):
@@ -304,7 +344,7 @@ def test_check_2_1_fails_the_composed_halves_of_labs():
 def test_check_2_1_fails_a_copy_of_labs_code_made_before_it():
     result = check_ring_all_reduce(copies_the_code, world_sizes=(2,))
     assert str(result) == ("FAIL: Exercise 2.1 ring_all_reduce: "
-                           + refusal_message("2.1", "labs.ring_schedule.run_ring"))
+                           + refusal_message("2.1", "labs.collectives.ring_all_reduce"))
 
 
 def test_check_2_1_names_the_refusal_the_same_way_every_run():

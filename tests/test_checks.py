@@ -102,6 +102,24 @@ def averages_the_documented_shapes_only(model):
             p.grad /= dist.get_world_size()
 
 
+def averages_from_the_checks_secrets(model):
+    """No all-reduce: it draws every rank's starting gradients as the check does, from the
+    check's own frame (the seed, or the keys it holds now), and sets their mean."""
+    import sys
+
+    from labs.checks.toy import _check_gradients
+    frame = sys._getframe(1)
+    while "widths" not in frame.f_locals:
+        frame = frame.f_back
+    found = frame.f_locals
+    secret, widths = found.get("keys", found.get("seed")), found["widths"]
+    n = dist.get_world_size()
+    starts = [_check_gradients(r, secret, widths) for r in range(n)]
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            p.grad.copy_(sum(s[name] for s in starts) / n)
+
+
 def test_reference_solution_passes(capsys):
     result = check_average_gradients(correct)
     assert result.passed
@@ -123,6 +141,7 @@ def test_reference_solution_passes(capsys):
                              "drop it."),
         (divides_by_one_more, "rank 0: first.weight.grad is not the mean over ranks."),
         (gives_frozen_a_gradient, "frozen parameter got a gradient"),
+        (averages_from_the_checks_secrets, "rank 1's inputs are not this rank's to draw"),
     ],
 )
 def test_wrong_answers_fail_with_a_reason(answer, reason, capsys):
@@ -314,6 +333,56 @@ def bypasses_point_to_point(tensor):
     dist.group.WORLD._get_backend(tensor.device).allreduce([tensor]).wait()
 
 
+def backend_behind_a_dummy_ring(tensor):
+    """The process group's backend sums; a ring of zeros sends the bytes a ring would."""
+    learner_all_reduce(torch.zeros_like(tensor))
+    dist.group.WORLD._get_backend(tensor.device).allreduce([tensor]).wait()
+
+
+def functional_behind_a_dummy_ring(tensor):
+    """A functional collective sums; a ring of zeros sends the bytes a ring would."""
+    from torch.distributed import _functional_collectives as functional
+    learner_all_reduce(torch.zeros_like(tensor))
+    tensor.copy_(functional.all_reduce(tensor, "sum", dist.group.WORLD))
+
+
+def assembled_from_the_ring_engine(tensor):
+    """labs' own ring, from its parts: the step builders and the engine that runs them."""
+    from labs.collectives import _all_gather_steps, _reduce_scatter_steps, _torch_peers
+    from labs.ring_schedule import run_lockstep
+    peers = _torch_peers(None, None)
+    flat = tensor.view(-1)
+    bounds = shard_bounds(flat.numel(), peers.size)
+    steps, done = _reduce_scatter_steps(flat, bounds, peers.rank, out_of_place=False)
+    run_lockstep(peers, steps + _all_gather_steps(flat, bounds, peers.rank, done))
+
+
+def _from_the_checks_frames(*names):
+    """The first frame up the stack (the check's own, in the rank) holding all of ``names``."""
+    import sys
+    frame = sys._getframe(2)
+    while frame is not None and not all(n in frame.f_locals for n in names):
+        frame = frame.f_back
+    return None if frame is None else [frame.f_locals[n] for n in names]
+
+
+def sums_from_the_checks_secrets(tensor):
+    """No message at all: it draws every rank's input as the check does, from the check's own
+    frames (the seed, or the keys it holds), sums them and sets the traffic counter a ring
+    would have."""
+    from labs.checks.collectives_cases import rank_input
+    n = dist.get_world_size()
+    found = _from_the_checks_frames("index", "case", "traffic")
+    index, case, traffic = found
+    secret = _from_the_checks_frames("keys") or _from_the_checks_frames("seed")
+    try:  # the seed, as the check held it before
+        inputs = [rank_input(secret[0], n, index, r, case) for r in range(n)]
+    except TypeError:  # the keys it holds now
+        inputs = [rank_input(secret[0], index, r, case) for r in range(n)]
+    tensor.copy_(sum(inputs))
+    traffic.sent = 2 * (n - 1) / n * tensor.numel() * tensor.element_size()
+
+
 def whole_tensor_ring(tensor):
     """Whole tensors round the ring, N-1 times: (N-1)·S per rank."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -323,6 +392,15 @@ def whole_tensor_ring(tensor):
         step(passing, (r + 1) % n, arriving, (r - 1) % n)
         flat.add_(arriving)
         passing, arriving = arriving, passing
+
+
+def whole_tensor_ring_hiding_its_bytes(tensor):
+    """Whole tensors round the ring, (N-1)·S per rank, then the rank's own counter (a Python
+    object in the check's frame) set to what a ring would have sent."""
+    whole_tensor_ring(tensor)
+    (traffic,) = _from_the_checks_frames("traffic")
+    n = dist.get_world_size()
+    traffic.sent = 2 * (n - 1) / n * tensor.numel() * tensor.element_size()
 
 
 def returns_a_new_tensor(tensor):
@@ -379,7 +457,17 @@ def assert_fails(result, capsys, exercise, *reasons):
         (uses_builtin_all_reduce, (2,),
          ["use only point-to-point", "dist.all_reduce is the collective you are building"]),
         (uses_imported_all_reduce, (2,), ["use only point-to-point", "ProcessGroup.allreduce"]),
-        (bypasses_point_to_point, (2,), ["sent only 0 bytes", "some other way"]),
+        (bypasses_point_to_point, (2,), ["SideDoorError", "Backend.allreduce is refused"]),
+        (backend_behind_a_dummy_ring, (3,), ["SideDoorError", "Backend.allreduce is refused"]),
+        (sums_from_the_checks_secrets, (3,), ["rank 0 raised KeyError",
+                                              "rank 1's inputs are not this rank's to draw"]),
+        (whole_tensor_ring_hiding_its_bytes, (3,),
+         ["with 3 rank(s), over every case (numel 65536 the largest)",
+          "as the kernel counts them", "send nothing but the ring's messages"]),
+        (assembled_from_the_ring_engine, (3,),
+         ["`labs.collectives._reduce_scatter_steps` is its answer key"]),
+        (functional_behind_a_dummy_ring, (3,),
+         ["SideDoorError", "torch.ops._c10d_functional.all_reduce is refused"]),
         (whole_tensor_ring, (2, 3), ["with 3 rank(s), numel 301", "rank 0 sent 2408 bytes",
                                      "2(N-1)/N·S = 1605.3", "(N-1)·S"]),
         (functools.partial(learner_all_reduce, gather=False), (3,),

@@ -349,3 +349,59 @@ def test_a_forged_index_entry_gives_no_signature_and_no_methods(tmp_path, entry)
     (out / submission.INDEX).write_text(json.dumps({"f": entry}))
     sealed = submission.load(str(tmp_path), ["f"])["f"]
     assert not sealed.sealed_class and not hasattr(sealed, "__signature__")
+
+
+# --- the ranks cannot reach the judge that runs them --------------------------------------------
+
+_TAKE_OVER_THE_JUDGE = '''
+import ctypes, json, os, pathlib
+
+
+def _take_over_the_judge():
+    """From a rank: forge the verdicts, then make the judge's pytest exit 0 (ptrace)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.restype = ctypes.c_long
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"judge.ipynb" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    if not found:
+        return "no judge"
+    pid = found[0]
+    pathlib.Path("verdicts.json").write_text(json.dumps(
+        [{"exercise": "1.1", "passed": True, "message": "taken over"}]))
+    if libc.ptrace(16, pid, None, None) != 0:  # PTRACE_ATTACH
+        return f"attach: errno {ctypes.get_errno()}"
+    os.waitpid(pid, 0x40000000)  # __WALL
+    regs = (ctypes.c_ulonglong * 27)()
+    libc.ptrace(12, pid, None, ctypes.byref(regs))  # PTRACE_GETREGS
+    code = bytes.fromhex("b8e700000031ff0f05") + bytes(7)  # exit_group(0)
+    for i in (0, 8):
+        word = int.from_bytes(code[i:i + 8], "little")
+        libc.ptrace(5, pid, ctypes.c_void_p(regs[16] + i), ctypes.c_void_p(word))  # POKETEXT
+    regs[15] = (1 << 64) - 1  # orig_rax: no syscall to restart
+    libc.ptrace(13, pid, None, ctypes.byref(regs))  # PTRACE_SETREGS
+    libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+    return "taken over"
+
+
+def average_gradients(model):
+    print(_take_over_the_judge())
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)  # sums; never divides
+'''
+
+
+def test_a_rank_cannot_take_over_the_judge(sandbox, tmp_path, no_leftover_processes) -> None:
+    """A rank of the judge's check runs as the same user as the judge's pytest and kernel: it
+    forged verdicts.json and made pytest exit 0 through ptrace, which earned a PASS. The judge
+    is not dumpable now (no ptrace, no /proc/PID/mem or fd of it), and its kernel's
+    connection file is gone before any rank starts."""
+    graded = only(grade([learner(tmp_path, _TAKE_OVER_THE_JUDGE)], GradeSettings(hidden=False)))
+    assert not graded.passed, graded.details
+    assert "SUM" in graded.reason, graded.reason

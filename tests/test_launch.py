@@ -162,6 +162,17 @@ def test_args_are_passed_and_tensors_come_back_in_rank_order():
         assert value["rank"].item() == rank and value["rank"].device.type == "cpu"
 
 
+def what_this_rank_holds(rank: int, world_size: int, shared: str, own: str) -> tuple:
+    return shared, own
+
+
+def test_rank_args_reach_their_own_rank_only():
+    """What one rank must not see of another's (a check's hidden inputs) goes by rank_args."""
+    results = launch(what_this_rank_holds, 3, args=("all",),
+                     rank_args=[("zero",), ("one",), ("two",)], echo=False)
+    assert list(results) == [("all", "zero"), ("all", "one"), ("all", "two")]
+
+
 def cuda_tensors(rank: int, world_size: int) -> dict:
     on_gpu = torch.full((2,), float(rank), device=f"cuda:{rank}")
     return {"flat": on_gpu, "nested": [on_gpu]}
@@ -501,6 +512,8 @@ def case_id(value: object) -> str | None:
         ({"failure_grace": "2"}, ValueError, "failure_grace must be a number of seconds >= 0"),
         ({"args": 3}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
         ({"args": "abc"}, TypeError, r"args must be a tuple.*write args=\(value,\)"),
+        ({"rank_args": [(1,)]}, ValueError, "rank_args holds 1 tuple.*give one per rank"),
+        ({"rank_args": [1, 2]}, TypeError, r"one tuple per rank, e.g. rank_args=\[\(x0,\)"),
         (
             {"args": (threading.Lock(),)}, TypeError,
             "Arguments must be picklable.*create open files, locks or sockets inside fn",

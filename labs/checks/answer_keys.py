@@ -17,14 +17,23 @@ the last three, so the refusal replaces the function's *code* (``__code__``): ev
 alias leads to the same function object, and that object now raises. A class is refused at
 construction (its ``__init__``), a method as its function, a decorated function as the
 function it wraps. The code is given back on exit, raise or not.
+
+A copy is refused too: ``exec(inspect.getsource(key))`` or ``types.FunctionType(key.__code__,
+...)`` makes a new function of the same code. While the scope lasts, every Python function
+called (in any thread started after it began) is compared with the keys by its code's
+:func:`fingerprint`, the bytecode and the names and constants it uses, which a copy keeps
+whatever it is called and wherever it was made.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import inspect
+import sys
 import textwrap
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -43,10 +52,12 @@ _ALL_REDUCES = (
     "labs.collectives.recursive_doubling_all_reduce",
     "labs.collectives.hierarchical_all_reduce",
 )
-#: labs' ring engine, which runs the steps of any of its rings: refused with them in chapters
-#: 2-4, it also stops a copy of their code (``types.FunctionType(ring_all_reduce.__code__,
-#: ...)`` made before the check) that the refusal of the functions themselves cannot reach.
-_RING_ENGINE = ("labs.ring_schedule.run_ring", "labs.ring_schedule.execute")
+#: labs' ring engine, which runs the steps of any of its rings, and the builders of those
+#: steps: refused with the rings in chapters 2-4, so that the parts of labs' rings do not
+#: assemble one either.
+_RING_ENGINE = ("labs.ring_schedule.run_ring", "labs.ring_schedule.execute",
+                "labs.ring_schedule.run_lockstep", "labs.ring_schedule.compile_pipelined",
+                "labs.collectives._reduce_scatter_steps", "labs.collectives._all_gather_steps")
 #: labs' reduce-scatters (exercise 3.1).
 _REDUCE_SCATTERS = ("labs.collectives.ring_reduce_scatter", "labs.collectives.reduce_scatter")
 #: labs' all-gathers (exercise 4.1).
@@ -204,6 +215,56 @@ def _refusing_code(original: types.CodeType, refuse: Callable[[], NoReturn]) -> 
                                         for c in stub.co_consts), **names)
 
 
+# --- knowing a copy when it runs --------------------------------------------------------------
+
+#: The codes :func:`_refusing_code` made (by id): a key already refused by an enclosing scope
+#: has one of these, not its own, and is not fingerprinted again.
+_STUB_CODES: dict[int, types.CodeType] = {}
+
+
+def fingerprint(code: types.CodeType) -> str:
+    """What a copy of ``code`` keeps: its bytecode, its argument counts, the names it uses and
+    its constants (nested code by its own fingerprint), but not its name, file or lines."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (code.co_code, repr((code.co_argcount, code.co_kwonlyargcount, code.co_names))):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+    for const in code.co_consts:
+        digest.update((fingerprint(const) if isinstance(const, types.CodeType)
+                       else f"{type(const).__name__}:{const!r}").encode())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _copies_refused(prints: dict[str, Callable[[], NoReturn]]) -> Iterator[None]:
+    """Inside: a Python function whose code has one of the fingerprints ``prints`` calls that
+    fingerprint's refusal when it starts (a profile hook, in this thread and the threads
+    started inside; each code is fingerprinted once)."""
+    seen: dict[int, tuple[types.CodeType, Callable[[], NoReturn] | None]] = {}
+    before = sys.getprofile()
+    before_threads = getattr(threading, "getprofile", lambda: None)()
+
+    def watch(frame: types.FrameType, event: str, arg: object) -> None:
+        if before is not None:
+            before(frame, event, arg)
+        if event != "call":
+            return
+        code = frame.f_code
+        known = seen.get(id(code))
+        if known is None or known[0] is not code:
+            refusal = None if id(code) in _STUB_CODES else prints.get(fingerprint(code))
+            known = seen[id(code)] = (code, refusal)
+        if known[1] is not None:
+            known[1]()
+
+    sys.setprofile(watch)
+    threading.setprofile(watch)
+    try:
+        yield
+    finally:
+        sys.setprofile(before)
+        threading.setprofile(before_threads)
+
+
 # --- refusing them ----------------------------------------------------------------------------
 
 
@@ -243,20 +304,27 @@ def answer_keys_refused(exercise: str) -> Iterator[None]:
         raise ValueError(f"no exercise {exercise!r} has answer keys; the exercises are {known}.")
     refusals = _Refusals(exercise)
     swapped: dict[int, tuple[types.FunctionType, types.CodeType]] = {}
+    prints: dict[str, Callable[[], NoReturn]] = {}
     try:
         for key in ANSWER_KEYS[exercise]:
             function = refused_function(key)
             if id(function) in swapped:  # two paths to one function (a re-export)
                 continue
-            swapped[id(function)] = (function, function.__code__)
-            function.__code__ = _refusing_code(function.__code__, refusals.refusal(key))
-        yield
+            original = function.__code__
+            swapped[id(function)] = (function, original)
+            if id(original) not in _STUB_CODES:
+                prints[fingerprint(original)] = refusals.refusal(key)
+            function.__code__ = _refusing_code(original, refusals.refusal(key))
+            _STUB_CODES[id(function.__code__)] = function.__code__
+        with _copies_refused(prints):
+            yield
     except Exception as exc:
         if refusals.used and not isinstance(exc, AnswerKeyUsed):
             raise refusals.first() from exc
         raise
     finally:
         for function, code in reversed(swapped.values()):
+            _STUB_CODES.pop(id(function.__code__), None)
             function.__code__ = code
     if refusals.used:
         raise refusals.first()

@@ -11,11 +11,20 @@ float32, so every sum is exact and the comparison is ``torch.equal``. Inside eve
   messages;
 * labs' own collectives (:mod:`labs.checks.answer_keys`) raise
   :class:`~labs.checks.answer_keys.AnswerKeyUsed`: they are the exercise's answer key;
+* so do the ways around them (a backend's methods, functional collectives, the c10d
+  operators: :func:`labs.checks.watch.side_doors_closed`);
 * ``ProcessGroup.send`` counts the bytes the rank sends, so the check can hold the answer to
   the ring's volume: 2(N-1)/N·S per rank for an all-reduce, (N-1)/N·S for a reduce-scatter
   or an all-gather, S being the size of the whole tensor, rounded up to whole chunks: at
   most phases·(N-1) chunks of ceil(numel/N) elements, less than one element per message
   more than the formula when chunks are uneven.
+
+That count lives in the rank, where the learner's code could set it, so the launcher also
+reads what each rank wrote as the kernel counts it (``launch(count_writes=True)``) and the
+check holds that to the ring's volume over all the cases, plus an allowance for headers
+(:func:`_judge_written`); the last case, numel 65536, is large enough for the difference to
+show. Each rank draws its inputs from its own key (:class:`~labs.checks.core.CaseKeys`), so
+its sum cannot be right unless the other ranks' data reached it.
 
 ``seed=0`` runs the documented cases; any other seed also draws three numels and one extra
 world size (up to 6) from ``random.Random(seed)``, and the verdict names them. The cases are
@@ -37,9 +46,17 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from labs.checks.answer_keys import answer_keys_refused
-from labs.checks.collectives_cases import Case, Exercise, Plan, gather_full, rank_input
+from labs.checks.collectives_cases import (
+    Case,
+    Exercise,
+    Plan,
+    gather_full,
+    gather_shard,
+    rank_input,
+)
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
+    CaseKeys,
     CheckResult,
     case_noted,
     failed_case,
@@ -112,26 +129,25 @@ def _point_to_point_only(exercise: Exercise) -> Iterator[Traffic]:
         yield traffic
 
 
-def _call(fn: Callable[..., Any], exercise: Exercise, seed: int, n: int, rank: int, index: int,
-          case: Case) -> tuple[torch.Tensor, object]:
+def _call(fn: Callable[..., Any], exercise: Exercise, keys: CaseKeys, n: int, rank: int,
+          index: int, case: Case) -> tuple[torch.Tensor, object]:
     if exercise is Exercise.RING_ALL_GATHER:
-        bounds = shard_bounds(case.numel, n)
-        shard = gather_full(seed, n, index, case)[bounds[rank]:bounds[rank + 1]].clone()
+        shard = gather_shard(keys, n, index, rank, case)
         return shard, fn(shard, case.numel)
-    tensor = rank_input(seed, n, index, rank, case)
+    tensor = rank_input(keys, index, rank, case)
     return tensor, fn(tensor)
 
 
 def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Exercise,
-              cases: tuple[Case, ...], seed: int) -> list[_Outcome]:
+              cases: tuple[Case, ...], keys: CaseKeys) -> list[_Outcome]:
     """Runs every case on this rank, with collectives and labs' own answers refused and sends
-    counted."""
+    counted. ``keys`` are this rank's only: it can draw its own inputs, no other rank's."""
     outcomes = []
     with _point_to_point_only(exercise) as traffic, answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             traffic.sent = 0.0
             with case_noted(index):
-                after, returned = _call(fn, exercise, seed, world_size, rank, index, case)
+                after, returned = _call(fn, exercise, keys, world_size, rank, index, case)
             copy = returned.detach().clone() if isinstance(returned, torch.Tensor) else None
             outcomes.append(_Outcome(after.detach().clone(), copy, type(returned).__name__,
                                      int(traffic.sent)))  # sends only: whole bytes
@@ -320,11 +336,11 @@ def _judge_all_gather(n: int, full: torch.Tensor, outcomes: list[_Outcome]) -> s
     return ""
 
 
-def _judge_case(exercise: Exercise, seed: int, n: int, index: int, case: Case,
+def _judge_case(exercise: Exercise, keys: CaseKeys, n: int, index: int, case: Case,
                 outcomes: list[_Outcome]) -> str:
     if exercise is Exercise.RING_ALL_GATHER:
-        return _judge_all_gather(n, gather_full(seed, n, index, case), outcomes)
-    inputs = [rank_input(seed, n, index, r, case) for r in range(n)]
+        return _judge_all_gather(n, gather_full(keys, n, index, case), outcomes)
+    inputs = [rank_input(keys, index, r, case) for r in range(n)]
     if exercise is Exercise.RING_REDUCE_SCATTER:
         return _judge_reduce_scatter(n, inputs, outcomes)
     return _judge_all_reduce(exercise, n, inputs, outcomes)
@@ -349,13 +365,15 @@ def _pattern(exercise: Exercise, n: int, cases: tuple[Case, ...], failed: list[i
     return ""
 
 
-def _judge_values(exercise: Exercise, seed: int, n: int, cases: tuple[Case, ...],
+def _judge_values(exercise: Exercise, keys: CaseKeys, n: int, cases: tuple[Case, ...],
                   results: Sequence[list[_Outcome]]) -> str:
-    verdicts = {i: _judge_case(exercise, seed, n, i, case, [res[i] for res in results])
+    verdicts = {i: _judge_case(exercise, keys, n, i, case, [res[i] for res in results])
                 for i, case in enumerate(cases)}
     failed = [i for i, v in verdicts.items() if v]
     if not failed:
         return ""
+    # The traffic case is shown only when it alone fails: the others are smaller to read.
+    failed = [i for i in failed if not cases[i].traffic] or failed
     # The most telling case: a divisible one if any fails (chunks are unambiguous there), the
     # largest of those (a shifted chunk cannot match by chance).
     even = [i for i in failed if not cases[i].uneven(n)]
@@ -388,7 +406,9 @@ def _judge_traffic(exercise: Exercise, n: int, cases: tuple[Case, ...],
         Collective.ALL_GATHER: "Each step forwards one shard (about S/N); gathering at one rank "
         "and sending the whole result from there costs that rank (N-1)·S.",
     }[exercise.collective]
-    order = sorted(range(len(cases)), key=lambda i: (-cases[i].numel, i))
+    # The traffic case is judged by what the kernel counted (:func:`_judge_written`).
+    order = sorted((i for i in range(len(cases)) if not cases[i].traffic),
+                   key=lambda i: (-cases[i].numel, i))
     for i in order:
         numel = cases[i].numel
         esize = results[0][i].after.element_size()
@@ -411,6 +431,38 @@ def _judge_traffic(exercise: Exercise, n: int, cases: tuple[Case, ...],
                     "any algorithm must move: the data travelled some other way. Use only "
                     f"point-to-point calls ({_P2P}).")
     return ""
+
+
+#: What a rank may write beyond the payloads of a ring's messages, over all the cases of one
+#: world size: the check's own report and output are not counted, gloo's headers are (about
+#: 120 bytes a message: 8 KiB at 6 ranks), and so is the process group's set-up (~250 bytes).
+WRITE_ALLOWANCE = 64 << 10
+
+
+def _judge_written(exercise: Exercise, n: int, cases: tuple[Case, ...],
+                   written: Sequence[int] | None) -> str:
+    """The bytes each rank wrote, as the kernel counted them (``launch(count_writes=True)``),
+    against the most a ring sends over all the cases, plus :data:`WRITE_ALLOWANCE`. The
+    counters of :func:`_judge_traffic` live in the rank, where the learner's code could set
+    them; this count does not, and it takes in any other way out of the rank that writes
+    (a file, a pipe, a socket written with write()). '' when right, or where the kernel does
+    not count (not Linux)."""
+    if n == 1 or not written or min(written) < 0:
+        return ""
+    esize = 4  # float32
+    most = sum(exercise.phases * (n - 1) * math.ceil(c.numel / n) * esize for c in cases)
+    worst = max(range(n), key=lambda r: (written[r], -r))
+    if written[worst] <= most + WRITE_ALLOWANCE:
+        return ""
+    big = next(c for c in cases if c.traffic)
+    formula = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
+    return (f"with {n} rank(s), over every case ({big.describe()} the largest): the values are "
+            f"right, but rank {worst} wrote {written[worst]} bytes, as the kernel counts them "
+            f"(its messages, and anything else it wrote), where a ring "
+            f"{exercise.collective.value} sends {formula} per case, at most {most} bytes in "
+            f"all, and the check allows {WRITE_ALLOWANCE} bytes more for message headers. "
+            "Send one chunk (about S/N) per step, never the whole tensor, and send nothing "
+            "but the ring's messages.")
 
 
 # --- judging failures ---------------------------------------------------------------------------
@@ -456,19 +508,22 @@ def _check(exercise: Exercise, fn: Callable[..., Any], world_sizes: Sequence[int
 
     def judge(n: int, results: Sequence[list[_Outcome]]) -> str:
         cases = plan.cases(exercise, n)
-        return (_judge_values(exercise, seed, n, cases, results)
-                or _judge_traffic(exercise, n, cases, results))
+        return (_judge_values(exercise, CaseKeys.draw(seed, n), n, cases, results)
+                or _judge_traffic(exercise, n, cases, results)
+                or _judge_written(exercise, n, cases, getattr(results, "written", None)))
 
     return run_check(
         exercise.title, plan, timeout,
         worker=_rank_run,
-        args=lambda n: (fn, exercise, plan.cases(exercise, n), seed),
+        args=lambda n: (fn, exercise, plan.cases(exercise, n)),
+        rank_args=lambda n: CaseKeys.draw(seed, n).per_rank(),
         judge=judge,
         explain_error=lambda n, err: _explain_error(n, plan.cases(exercise, n), err),
         explain_timeout=lambda n, err, where: _explain_timeout(
             n, plan.cases(exercise, n), err, timeout, where),
         passed=_passed(exercise, plan),
         problem=signature_problem(exercise.function, exercise.parameters, fn),
+        count_writes=True,
     )
 
 
@@ -478,13 +533,14 @@ def _passed(exercise: Exercise, plan: Plan) -> str:
         Collective.REDUCE_SCATTER: "rank r gets exactly chunk r of the sum, input unchanged",
         Collective.ALL_GATHER: "every rank gets every shard in rank order",
     }[exercise.collective]
-    shapes = "1, N-1, N, a prime, 300 and 301"
+    shapes = "1, N-1, N, a prime, 300, 301 and 65536"
     if exercise is not Exercise.RING_ALL_GATHER:
         shapes += ", and a 2-D (3, 2N) tensor"
     bound = {2: "2(N-1)/N·S", 1: "(N-1)/N·S"}[exercise.phases]
     return (f"{what}, with {listed(plan.world_sizes)} rank(s) and numel {shapes}; no rank sent "
             f"more than {_chunk_count(exercise)} chunks of ceil(numel/N) elements (the ring's "
-            f"{bound}, rounded up to whole chunks), and no built-in collective was used.")
+            f"{bound}, rounded up to whole chunks) nor, by the kernel's count, wrote more in "
+            "all, and no built-in collective was used.")
 
 
 def check_ring_all_reduce(

@@ -1,11 +1,12 @@
 """What the checks of chapters 2-4 run: the exercises, the cases of a world size (the tensor
-shapes, the drawn ones included) and each rank's input, a pure function of the case, so that
-the parent and the ranks agree on it (:func:`~labs.checks.core.case_values`).
+shapes, the drawn ones included) and each rank's input, drawn from that rank's own key
+(:class:`~labs.checks.core.CaseKeys`): the parent draws every rank's, a rank only its own.
 
 The documented cases of world size N, in this order: numel N and a 2-D tensor of shape
 (3, 2N) (the all-gather has no 2-D case), 300, then the awkward ones: numel 1, N-1, a prime
 that N does not divide, and 301. A non-zero seed adds three numels and one world size (up to
-6), drawn from ``random.Random(seed)``.
+6), drawn from ``random.Random(seed)``. The last case of every world size is numel 65536,
+whose bytes the kernel counts (:data:`TRAFFIC_NUMEL`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from labs.checks.core import CheckPlan, case_values, listed, with_drawn_world_size
-from labs.collectives import Collective
+from labs.checks.core import CaseKeys, CheckPlan, keyed_values, listed, with_drawn_world_size
+from labs.collectives import Collective, shard_bounds
 
 _BIG_NUMELS = (300, 301)  #: a few hundred elements: one divisible by N <= 6, one not
+#: The last case of every world size: large enough (256 KiB of float32) that the bytes a rank
+#: writes, as the kernel counts them, are its messages' payloads, not their headers.
+TRAFFIC_NUMEL = 1 << 16
 _DRAWN_NUMELS = 3
 _DRAWN_MAX_NUMEL = 400
 _DRAWN_MAX_WORLD = 6
@@ -82,6 +86,9 @@ class Case:
     """One input shape; the values follow from (seed, world size, case index, rank)."""
 
     shape: tuple[int, ...]
+    traffic: bool = False
+    """The last case, whose bytes the kernel counts (:data:`TRAFFIC_NUMEL`): its values are
+    judged like any other's, its traffic by that count."""
 
     @property
     def numel(self) -> int:
@@ -122,24 +129,30 @@ class Plan(CheckPlan):
 
     def cases(self, exercise: Exercise, n: int) -> tuple[Case, ...]:
         """Divisible sizes first (N, 2-D, 300), then the awkward ones (1, N-1, a prime, 301),
-        then the drawn ones; duplicates dropped."""
+        then the drawn ones, duplicates dropped, and last the traffic case."""
         shapes: list[tuple[int, ...]] = [(n,)]
         if exercise is not Exercise.RING_ALL_GATHER:
             shapes.append((3, 2 * n))
         shapes += [(_BIG_NUMELS[0],), (1,), (n - 1,), (_prime_above(n),), (_BIG_NUMELS[1],)]
         shapes += [(k,) for k in self.drawn_numels]
         unique = dict.fromkeys(s for s in shapes if math.prod(s) > 0)
-        return tuple(Case(s) for s in unique)
+        return (*(Case(s) for s in unique), Case((TRAFFIC_NUMEL,), traffic=True))
 
     def draws(self) -> list[str]:
         return [f"numels {listed(self.drawn_numels)}"]
 
 
-def rank_input(seed: int, n: int, index: int, rank: int, case: Case) -> torch.Tensor:
+def rank_input(keys: CaseKeys, index: int, rank: int, case: Case) -> torch.Tensor:
     """Rank ``rank``'s tensor (all-reduce, reduce-scatter)."""
-    return case_values(seed, n, index, rank, case.numel).view(case.shape)
+    return keyed_values(keys, index, 0, case.numel, owner=rank).view(case.shape)
 
 
-def gather_full(seed: int, n: int, index: int, case: Case) -> torch.Tensor:
+def gather_shard(keys: CaseKeys, n: int, index: int, rank: int, case: Case) -> torch.Tensor:
+    """Chunk ``rank`` (``shard_bounds``) of the tensor the all-gather ranks hold together."""
+    bounds = shard_bounds(case.numel, n)
+    return keyed_values(keys, index, 1, bounds[rank + 1] - bounds[rank], owner=rank)
+
+
+def gather_full(keys: CaseKeys, n: int, index: int, case: Case) -> torch.Tensor:
     """The tensor whose chunks the all-gather ranks hold (rank i holds chunk i)."""
-    return case_values(seed, n, index, -1, case.numel)
+    return torch.cat([gather_shard(keys, n, index, r, case) for r in range(n)])

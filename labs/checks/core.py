@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import inspect
 import math
 import os
@@ -167,13 +168,16 @@ def run_check(
     passed: str,
     problem: str = "",
     launcher: Callable[..., Sequence[Any]] = launch,
+    rank_args: Callable[[int], Sequence[tuple[Any, ...]]] | None = None,
+    count_writes: bool = False,
 ) -> CheckResult:
     """Runs a check whose arguments were validated, prints its verdict and returns it.
 
     ``problem`` (why the learner's code cannot even be called, found before any process
     starts) fails at once. Otherwise, for each world size ``n`` of the plan in turn,
-    ``worker(rank, n, *args(n))`` runs on ``n`` ranks (gloo: every check's tensors live on the
-    CPU, even where there are GPUs), and the first of these is the verdict: a rank that
+    ``worker(rank, n, *args(n), *rank_args(n)[rank])`` runs on ``n`` ranks (``rank_args``:
+    what each rank alone is given, its :class:`CaseKeys`; gloo: every check's tensors live on
+    the CPU, even where there are GPUs), and the first of these is the verdict: a rank that
     raised (``explain_error(n, err)``), ranks that hung (``explain_timeout(n, err, where)``,
     ``where`` naming the learner's line a rank waited at, unless the ranks were still
     starting: :func:`explain_hang`), or a wrong result (``judge(n, results)``, "" when right).
@@ -190,9 +194,12 @@ def run_check(
         return verdict(False, problem)
     for n in plan.world_sizes:
         try:
+            given = {} if rank_args is None else {"rank_args": rank_args(n)}
+            if count_writes:  # judge(n, results) reads results.written
+                given["count_writes"] = True
             results = launcher(worker, n, args=args(n), backend="gloo", timeout=timeout,
                                echo=False, failure_grace=CHECK_FAILURE_GRACE_S,
-                               result_types=result_types())
+                               result_types=result_types(), **given)
         except RankError as err:
             return verdict(False, answer_key_refusal(err) or explain_error(n, err))
         except LaunchTimeout as err:
@@ -329,8 +336,60 @@ def _mix(*parts: int) -> int:
 def case_values(seed: int, n: int, index: int, who: int, numel: int) -> torch.Tensor:
     """``numel`` integers in [1, 9] as float32 (1-D), a pure function of its arguments, so
     that the parent and the ranks draw the same inputs: case ``index`` of world size ``n``,
-    for ``who`` (a rank, or a negative number for tensors no single rank owns)."""
+    for ``who`` (a rank, or a negative number for tensors no single rank owns). The checks of
+    chapters 5-8 draw from the seed so (their ranks get the seed); chapters 1-4 draw each
+    rank's inputs from its own key instead (:class:`CaseKeys`, :func:`keyed_values`)."""
     generator = torch.Generator().manual_seed(_mix(seed, n, index, who))
+    return torch.randint(_LOW, _HIGH, (numel,), generator=generator).to(torch.float32)
+
+
+def _digest(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class CaseKeys:
+    """The secrets a check's inputs of one world size are drawn from: ``shared``, for what
+    every rank is given alike (a model's weights, a shape's values no one rank owns), and one
+    key per rank in ``own``, for what only that rank is given (its gradient, its shard).
+
+    The parent holds every key (:meth:`draw`, from the check's seed); rank r gets
+    :meth:`for_rank` (the shared key and its own) through the launcher's ``rank_args``, never
+    the seed. The keys are one-way (BLAKE2b): a rank cannot work out another's from its own,
+    so a learner's code that computes the result without receiving the other ranks' inputs
+    has nothing to compute it from."""
+
+    shared: bytes
+    own: dict[int, bytes]
+
+    @classmethod
+    def draw(cls, seed: int, n: int) -> CaseKeys:
+        return cls(_digest("shared", seed, n), {r: _digest("own", seed, n, r) for r in range(n)})
+
+    def for_rank(self, rank: int) -> CaseKeys:
+        """What rank ``rank`` may hold: the shared key and its own."""
+        return CaseKeys(self.shared, {rank: self.own[rank]})
+
+    def per_rank(self) -> list[tuple[CaseKeys]]:
+        """``rank_args`` for a launch: each rank's keys, as a one-element tuple."""
+        return [(self.for_rank(r),) for r in range(len(self.own))]
+
+    def generator(self, index: int, who: int, owner: int | None = None) -> torch.Generator:
+        """A generator for case ``index``, tensor ``who``, drawn from ``owner``'s key (None:
+        the shared key)."""
+        if owner is not None and owner not in self.own:
+            raise KeyError(f"rank {owner}'s inputs are not this rank's to draw")
+        key = self.shared if owner is None else self.own[owner]
+        seed = int.from_bytes(_digest(key, index, who)[:8], "little") % (1 << 63)
+        return torch.Generator().manual_seed(seed)
+
+
+def keyed_values(keys: CaseKeys, index: int, who: int, numel: int,
+                 owner: int | None = None) -> torch.Tensor:
+    """``numel`` integers in [1, 9] as float32 (1-D), a pure function of its arguments, so
+    that the parent and the ranks draw the same inputs: case ``index``, tensor ``who``, from
+    rank ``owner``'s key (None: the shared key, for tensors no single rank owns)."""
+    generator = keys.generator(index, who, owner)
     return torch.randint(_LOW, _HIGH, (numel,), generator=generator).to(torch.float32)
 
 

@@ -106,10 +106,22 @@ class _CaseRecord:
     steps: tuple[_StepRecord, ...]
 
 
+def _rank_inputs(widths: Widths, seed: int, rank: int, world_size: int
+                 ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """What rank ``rank`` is given, drawn here in the parent: the seed of its own initial
+    model (one-way: no other rank's, nor the check's seed, follows from it) and its own rows
+    of the batch. Rank 0's model reaches the others only by the learner's broadcast, and the
+    other rows only by the learner's all-reduce."""
+    # Copies: a view would carry its whole storage, the other ranks' rows too, to the rank.
+    x, y = (batch_shard(t, rank, world_size).clone() for t in full_batch(seed, widths))
+    return init_seed(seed, rank), x, y
+
+
 def _train(rank: int, world_size: int, wrapper_class: type, exercise: DDPExercise,
-           case: Case, widths: Widths, seed: int, log: AllReduceLog) -> _CaseRecord:
-    net = build_net(widths, init_seed(seed, rank))
-    x, y = (batch_shard(t, rank, world_size) for t in full_batch(seed, widths))
+           case: Case, widths: Widths, given: tuple[int, torch.Tensor, torch.Tensor],
+           log: AllReduceLog) -> _CaseRecord:
+    own_seed, x, y = given
+    net = build_net(widths, own_seed)
     log.phase, log.calls = Phase.SETUP, []
     wrapper = (wrapper_class(net) if case.cap_bytes is None
                else wrapper_class(net, case.bucket_cap_mb))
@@ -139,15 +151,16 @@ def _train(rank: int, world_size: int, wrapper_class: type, exercise: DDPExercis
 
 
 def _rank_run(rank: int, world_size: int, wrapper_class: type, exercise: DDPExercise,
-              cases: tuple[Case, ...], widths: Widths, seed: int) -> list[_CaseRecord]:
+              cases: tuple[Case, ...], widths: Widths,
+              given: tuple[int, torch.Tensor, torch.Tensor]) -> list[_CaseRecord]:
     """Runs every case on this rank with the all-reduces watched and labs' own wrappers
-    refused."""
+    refused; ``given`` is this rank's own (:func:`_rank_inputs`)."""
     records = []
     with watched_all_reduces() as log, answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             with case_noted(index):
                 records.append(_train(rank, world_size, wrapper_class, exercise, case, widths,
-                                      seed, log))
+                                      given, log))
     return records
 
 
@@ -447,7 +460,8 @@ def _check(exercise: DDPExercise, wrapper_class: type, world_sizes: Sequence[int
     return run_check(
         exercise.title, plan, timeout,
         worker=_rank_run,
-        args=lambda n: (wrapper_class, exercise, plan.cases, plan.widths, seed),
+        args=lambda n: (wrapper_class, exercise, plan.cases, plan.widths),
+        rank_args=lambda n: [(_rank_inputs(plan.widths, seed, r, n),) for r in range(n)],
         judge=judge,
         explain_error=lambda n, err: _explain_error(plan, n, err),
         explain_timeout=lambda n, err, where: _explain_timeout(n, err, timeout, where),

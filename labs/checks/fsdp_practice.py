@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 import numbers
 import operator
@@ -151,14 +152,15 @@ def _number(value: object) -> float | None:
 
 
 def _clip_rank(rank: int, world_size: int, fn: Callable[..., Any],
-               cases: tuple[ClipCase, ...], seed: int) -> list[_ClipCall]:
-    """Calls the learner's function once per case with this rank's shards, collectives
-    watched."""
+               cases: tuple[ClipCase, ...], shards_given: list[list[torch.Tensor]]
+               ) -> list[_ClipCall]:
+    """Calls the learner's function once per case with this rank's shards (drawn by the
+    parent: ``shards_given[index]``, the rank never gets the seed), collectives watched."""
     results = []
     with counted_collectives(_refusals()) as traffic, _counted_all_reduces() as reduces, \
             answer_keys_refused(PracticeExercise.CLIP_SHARDS.value):
         for index, case in enumerate(cases):
-            shards = rank_shards(seed, world_size, index, case, rank)  # 1-D, k each
+            shards = shards_given[index]  # 1-D, k each
             given = list(shards)
             traffic.sent = 0.0
             reduces.clear()
@@ -554,7 +556,9 @@ def check_clip_shards_(
     return run_check(
         exercise.title, plan, timeout,
         worker=_clip_rank,
-        args=lambda n: (clip_shards_, plan.cases, seed),
+        args=lambda n: (clip_shards_, plan.cases),
+        rank_args=lambda n: [([rank_shards(seed, n, index, case, r)
+                               for index, case in enumerate(plan.cases)],) for r in range(n)],
         judge=lambda n, results: _judge_clip(plan, n, results),
         explain_error=lambda n, err: _clip_error(plan, n, err),
         explain_timeout=lambda n, err, where: _clip_timeout(n, err, timeout, where),
@@ -599,7 +603,8 @@ def check_shard_pieces(
     try:
         # One rank, not this process: the checking process never runs the learner's code.
         ((run, where, refused),) = launch(
-            _pieces_rank, 1, args=(shard_pieces, plan, timeout, exercise.value),
+            _pieces_rank, 1, args=(shard_pieces, dataclasses.replace(plan, seed=0), timeout,
+                                   exercise.value),  # its cases; the seed stays here
             backend="gloo", timeout=timeout + _PIECES_SLACK_S, echo=False,
             failure_grace=CHECK_FAILURE_GRACE_S, result_types=result_types())
     except RankError as err:

@@ -70,7 +70,14 @@ from labs.checks.topology_cases import (
     node_chunk,
     rank_weights,
 )
-from labs.checks.watch import COLLECTIVE_METHODS, GROUP_METHODS, Kind, nbytes, patched
+from labs.checks.watch import (
+    COLLECTIVE_METHODS,
+    GROUP_METHODS,
+    Kind,
+    nbytes,
+    patched,
+    side_doors_closed,
+)
 from labs.launcher import LaunchTimeout, RankError
 
 # --- 8.1, inside every rank ------------------------------------------------------------------
@@ -123,7 +130,7 @@ def _watched_sends() -> Iterator[_Sends]:
 
         return send
 
-    with patched([
+    with side_doors_closed(set(Kind)), patched([
         (group_class, "send", counted(group_class.send)),
         *((group_class, name, _refusal(kind)) for name, kind in COLLECTIVE_METHODS.items()
           if hasattr(group_class, name)),
@@ -158,8 +165,9 @@ class _HierCall:
 
 
 def _hier_rank(rank: int, world_size: int, fn: Callable[..., Any], layouts: tuple[Layout, ...],
-               numels: tuple[int, ...], seed: int) -> list[list[_HierCall]]:
-    """Calls the learner's function for every layout and tensor size, sends watched."""
+               tensors: list[list[torch.Tensor]]) -> list[list[_HierCall]]:
+    """Calls the learner's function for every layout and tensor size, sends watched.
+    ``tensors[layout][case]``: this rank's inputs, drawn by the parent (never the seed)."""
     groups = [_groups(layout, rank) for layout in layouts]  # before watching: no send counted
     results = []
     with _watched_sends() as sends, \
@@ -167,10 +175,9 @@ def _hier_rank(rank: int, world_size: int, fn: Callable[..., Any], layouts: tupl
         for li, (layout, (node, cross)) in enumerate(zip(layouts, groups, strict=True)):
             sends.node_size = layout.node_size
             calls = []
-            for index, numel in enumerate(numels):
-                tensor = hier_input(seed, layout, index, rank, numel)  # 1-D, float32
+            for index, tensor in enumerate(tensors[li]):  # 1-D, float32, one per tensor size
                 sends.sent = sends.across = 0
-                with case_noted(li * len(numels) + index):
+                with case_noted(li * len(tensors[li]) + index):
                     returned = fn(tensor, node, cross)
                 calls.append(_HierCall(
                     tensor.detach().clone(),
@@ -318,8 +325,9 @@ def _counted_collectives() -> Iterator[_Collectives]:
 
         return call
 
-    with patched((group_class, name, logged(name, kind, getattr(group_class, name)))
-                 for name, kind in GROUP_METHODS.items() if hasattr(group_class, name)):
+    with side_doors_closed(), patched(
+            (group_class, name, logged(name, kind, getattr(group_class, name)))
+            for name, kind in GROUP_METHODS.items() if hasattr(group_class, name)):
         yield log
 
 
@@ -333,15 +341,14 @@ class _MlpCall:
     others: tuple[str, ...]
 
 
-def _mlp_rank(rank: int, world_size: int, fn: Callable[..., Any], cases: tuple[MlpCase, ...],
-              seed: int) -> list[_MlpCall]:
-    """Calls the learner's function once per case with this rank's slices, collectives
-    counted."""
+def _mlp_rank(rank: int, world_size: int, fn: Callable[..., Any],
+              given: list[tuple[torch.Tensor, ...]]) -> list[_MlpCall]:
+    """Calls the learner's function once per case with this rank's slices (drawn by the
+    parent, ``given[index]``: a rank never gets the seed, nor another rank's slices),
+    collectives counted."""
     results = []
     with _counted_collectives() as log, answer_keys_refused(TopologyExercise.TP_MLP_FORWARD.value):
-        for index, case in enumerate(cases):
-            args = rank_weights(mlp_weights(seed, world_size, index, case), case, world_size,
-                                rank)
+        for index, args in enumerate(given):  # one per case
             log.all_reduces.clear()
             log.others.clear()
             with case_noted(index):
@@ -480,7 +487,10 @@ def check_hierarchical_all_reduce_(
     return run_check(
         exercise.title, plan, timeout,
         worker=_hier_rank,
-        args=lambda n: (hierarchical_all_reduce_, plan.layouts(n), plan.numels, seed),
+        args=lambda n: (hierarchical_all_reduce_, plan.layouts(n)),
+        rank_args=lambda n: [([[hier_input(seed, layout, index, r, numel)
+                                for index, numel in enumerate(plan.numels)]
+                               for layout in plan.layouts(n)],) for r in range(n)],
         judge=lambda n, results: _judge_hier(plan, n, results),
         explain_error=lambda n, err: _hier_error(plan, n, err),
         explain_timeout=lambda n, err, where: _hier_timeout(n, err, timeout, where),
@@ -515,7 +525,9 @@ def check_tp_mlp_forward(
     return run_check(
         exercise.title, plan, timeout,
         worker=_mlp_rank,
-        args=lambda n: (tp_mlp_forward, plan.cases, seed),
+        args=lambda n: (tp_mlp_forward,),
+        rank_args=lambda n: [([rank_weights(mlp_weights(seed, n, index, case), case, n, r)
+                               for index, case in enumerate(plan.cases)],) for r in range(n)],
         judge=lambda n, results: _judge_mlp(plan, n, results),
         explain_error=lambda n, err: _mlp_error(plan, n, err),
         explain_timeout=lambda n, err, where: _mlp_timeout(n, err, timeout, where),

@@ -18,6 +18,7 @@ from torch import nn
 from labs.checks.answer_keys import answer_keys_refused
 from labs.checks.core import (
     CHECK_TIMEOUT_S,
+    CaseKeys,
     CheckPlan,
     CheckResult,
     failing_rank,
@@ -83,9 +84,10 @@ class _CheckModel(nn.Module):
         self.frozen = nn.Parameter(torch.zeros(widths.outputs), requires_grad=False)
 
 
-def _check_gradients(rank: int, seed: int, widths: _Widths) -> dict[str, torch.Tensor]:
-    """The gradients rank ``rank`` starts from: different on every rank, known to the parent."""
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+def _check_gradients(rank: int, keys: CaseKeys, widths: _Widths) -> dict[str, torch.Tensor]:
+    """The gradients rank ``rank`` starts from: drawn from its own key (the parent holds every
+    rank's keys, a rank only its own), so different on every rank and known to the parent."""
+    generator = keys.generator(0, 0, owner=rank)
     return {
         name: torch.randn(p.shape, generator=generator)
         for name, p in _CheckModel(widths).named_parameters()
@@ -94,11 +96,11 @@ def _check_gradients(rank: int, seed: int, widths: _Widths) -> dict[str, torch.T
 
 
 def _run_average_gradients(
-    rank: int, world_size: int, average_gradients: Callable[[nn.Module], object], seed: int,
-    widths: _Widths,
+    rank: int, world_size: int, average_gradients: Callable[[nn.Module], object],
+    widths: _Widths, keys: CaseKeys,
 ) -> dict[str, torch.Tensor | None]:
     model = _CheckModel(widths)
-    for name, grad in _check_gradients(rank, seed, widths).items():
+    for name, grad in _check_gradients(rank, keys, widths).items():
         model.get_parameter(name).grad = grad.clone()
     with answer_keys_refused("1.1"):
         average_gradients(model)
@@ -125,14 +127,16 @@ def check_average_gradients(
     plan = _AveragePlan.make(world_sizes, seed)
 
     def judge(n: int, results: Sequence[dict[str, torch.Tensor | None]]) -> str:
-        starts = [_check_gradients(rank, seed, plan.widths) for rank in range(n)]
+        keys = CaseKeys.draw(seed, n)
+        starts = [_check_gradients(rank, keys, plan.widths) for rank in range(n)]
         wrong = _judge_average(starts, results)
         return f"with {n} rank(s), {wrong}" if wrong else ""
 
     return run_check(
         "Exercise 1.1 average_gradients", plan, timeout,
         worker=_run_average_gradients,
-        args=lambda n: (average_gradients, seed, plan.widths),
+        args=lambda n: (average_gradients, plan.widths),
+        rank_args=lambda n: CaseKeys.draw(seed, n).per_rank(),
         judge=judge,
         explain_error=_explain_error,
         explain_timeout=lambda n, err, where: _explain_timeout(n, err, timeout, where),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -109,7 +110,9 @@ class Traffic:
 def counted_collectives(refusals: Mapping[str, Callable[..., NoReturn]] | None = None
                         ) -> Iterator[Traffic]:
     """Inside: each of :data:`GROUP_METHODS` adds its ring cost to the traffic, but a method
-    named in ``refusals`` is replaced by its refusal (called as the method, it raises)."""
+    named in ``refusals`` is replaced by its refusal (called as the method, it raises), and
+    the ways around these methods are closed (:func:`side_doors_closed`, with the kinds of the
+    refused methods)."""
     traffic = Traffic()
     group = distributed_c10d.ProcessGroup
     refusals = refusals or {}
@@ -123,9 +126,97 @@ def counted_collectives(refusals: Mapping[str, Callable[..., NoReturn]] | None =
 
         return call
 
-    with patched((group, name, refusals.get(name) or counted(kind, getattr(group, name)))
-                 for name, kind in GROUP_METHODS.items() if hasattr(group, name)):
+    refused = {GROUP_METHODS[name] for name in refusals}
+    with side_doors_closed(refused), patched(
+            (group, name, refusals.get(name) or counted(kind, getattr(group, name)))
+            for name, kind in GROUP_METHODS.items() if hasattr(group, name)):
         yield traffic
+
+
+# --- the doors around ProcessGroup's methods -------------------------------------------------
+
+
+class SideDoorError(RuntimeError):
+    """Raised inside a check's ranks when the learner's code reaches a collective by a way
+    around ``torch.distributed``'s functions and ``ProcessGroup``'s methods, which the check
+    counts or refuses: a backend's own methods, a functional collective, a c10d operator."""
+
+
+#: What a learner's code may call through a backend or an operator: messages and barriers.
+_NOT_COLLECTIVES = ("send", "recv", "isend", "irecv", "barrier", "monitored_barrier",
+                    "check_for_nan", "batch_p2p_ops", "wait_tensor", "wrap_tensor_autograd")
+#: The namespaces of torch's collective operators: ``dist.*`` reaches ``c10d``'s through
+#: ProcessGroup; ``torch.distributed._functional_collectives`` reaches the others directly.
+_FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+
+
+def operator_kind(name: str) -> Kind | None:
+    """What the c10d operator ``name`` (``allreduce_``, ``all_gather_into_tensor``) is, for
+    its cost; None for a point-to-point message or a barrier."""
+    bare = name.strip("_").replace("_", "")
+    if any(bare.startswith(p.replace("_", "")) for p in _NOT_COLLECTIVES):
+        return None
+    for stem, kind in (("allreduce", Kind.ALL_REDUCE), ("allgather", Kind.ALL_GATHER),
+                       ("reducescatter", Kind.REDUCE_SCATTER)):
+        if bare.startswith(stem):
+            return kind
+    return Kind.OTHER
+
+
+def _operators() -> dict[str, list[str]]:
+    """Namespace -> the collective operators torch registered in it (this torch's)."""
+    listed = getattr(torch._C, "_dispatch_get_all_op_names", lambda: [])()
+    found: dict[str, list[str]] = {}
+    for full in listed:
+        space, _, name = full.partition("::")
+        if (space == "c10d" or space in _FUNCTIONAL) and operator_kind(name) is not None:
+            found.setdefault(space, []).append(name)
+    return found
+
+
+def _side_door(what: str) -> Callable[..., NoReturn]:
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise SideDoorError(
+            f"{what} is refused while a check runs your code: it reaches a collective around "
+            "torch.distributed's functions, which the check counts (or refuses). Call "
+            "torch.distributed's functions (dist.send, dist.all_reduce, ...) instead.")
+
+    return refuse
+
+
+@contextlib.contextmanager
+def side_doors_closed(refused: Iterable[Kind] = ()) -> Iterator[None]:
+    """Inside: a process group's backend (``group._get_backend(device)``) raises
+    :class:`SideDoorError` from each of its methods that sends, every functional collective
+    (``torch.distributed._functional_collectives``, ``torch.ops._c10d_functional``) raises it
+    too, on the CPU, whatever reference reaches it (its kernel is replaced in torch's
+    dispatcher), and so does each ``torch.ops.c10d`` collective of a kind in ``refused``
+    (those the check refuses in ProcessGroup's methods: ``dist.all_reduce`` reaches its
+    operator through them). Restored on exit."""
+    refused = set(refused)
+    backend = getattr(torch._C._distributed_c10d, "Backend", None)  # the C++ class
+    methods = [(backend, name, _side_door(f"Backend.{name}"))
+               for name in (*GROUP_METHODS, "recv", "recv_anysource")
+               if backend is not None and name in vars(backend)]
+    libraries = []
+    try:
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel"
+            warnings.simplefilter("ignore")
+            for space, names in _operators().items():
+                library = torch.library.Library(space, "IMPL")
+                libraries.append(library)
+                for name in names:
+                    if space == "c10d" and operator_kind(name) not in refused:
+                        continue
+                    packet = getattr(getattr(torch.ops, space), name)
+                    for overload in packet.overloads():
+                        target = name if overload == "default" else f"{name}.{overload}"
+                        library.impl(target, _side_door(f"torch.ops.{space}.{name}"), "CPU")
+        with patched(methods):
+            yield
+    finally:
+        for library in libraries:
+            library._destroy()
 
 
 # --- the all-reduces of a training step --------------------------------------------------------
@@ -222,7 +313,7 @@ def watched_all_reduces() -> Iterator[AllReduceLog]:
 
         return wait
 
-    with patched([
+    with side_doors_closed(), patched([
         *((group_class, name, logged(getattr(group_class, name)))
           for name in ("allreduce", "allreduce_coalesced")),
         *((work_class, name, watched(getattr(work_class, name), blocks=name != "get_future"))

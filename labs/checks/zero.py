@@ -163,15 +163,37 @@ def settle(made: Sequence[AllocationTracker]) -> None:
         time.sleep(0.01)
 
 
-def _run_step(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case, seed: int,
+def _rank_inputs(exercise: ZeroExercise, seed: int, n: int, rank: int,
+                 cases: tuple[Case, ...]) -> list[tuple[Any, ...]]:
+    """What rank ``rank`` is given, case by case, drawn here in the parent: 6.1 the starting
+    parameters and each step's gradients (the same on every rank), 6.2 its own shard of the
+    padded weights and the input x, 6.3 its own gradient. A rank never gets the seed, so it
+    cannot draw another rank's inputs."""
+    given: list[tuple[Any, ...]] = []
+    for index, case in enumerate(cases):
+        if exercise is ZeroExercise.SHARDED_STEP:
+            given.append((
+                [start_param(seed, n, index, i, s) for i, s in enumerate(case.shapes)],
+                [[step_grad(seed, n, index, step, i, s) for i, s in enumerate(case.shapes)]
+                 for step in range(STEPS)]))
+        elif exercise is ZeroExercise.FSDP_FORWARD:
+            padded, x = linear_inputs(seed, n, index, case)
+            given.append((shard_of(padded, n, rank).clone(), x))
+        else:
+            given.append((rank_grad(seed, n, index, rank, case),))
+    return given
+
+
+def _run_step(fn: Callable[..., Any], rank: int, n: int, case: Case, given: tuple[Any, ...],
               traffic: Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
-    params = [nn.Parameter(start_param(seed, n, index, i, s)) for i, s in enumerate(case.shapes)]
+    starts, grads = given
+    params = [nn.Parameter(start) for start in starts]
     momenta = [torch.zeros(shard_numel(p.numel(), n)) for p in params]  # 1-D, k elements each
     inputs.append(params)
     calls = []
     for step in range(STEPS):
         for i, p in enumerate(params):
-            p.grad = step_grad(seed, n, index, step, i, p.shape)
+            p.grad = grads[step][i].clone()
         given, places = list(momenta), [p.data_ptr() for p in params]
         call, made = _measured(lambda given=given: fn(params, given, LR, BETA), traffic,
                                state=lambda: [*params, *momenta], keep=False)
@@ -193,27 +215,27 @@ def _run_step(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case,
     return calls
 
 
-def _run_forward(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case, seed: int,
+def _run_forward(fn: Callable[..., Any], rank: int, n: int, case: Case, given: tuple[Any, ...],
                  traffic: Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
     (out_features, in_features), _ = case.shapes
-    padded, x = linear_inputs(seed, n, index, case)
-    shard = shard_of(padded, n, rank).clone()  # 1-D, k elements
+    shard, x = given  # shard: 1-D, k elements
     inputs.extend((shard, x))
     return [_measured(lambda: fn(shard, in_features, out_features, x), traffic,
                       state=lambda: [shard])]
 
 
-def _run_grad(fn: Callable[..., Any], rank: int, n: int, index: int, case: Case, seed: int,
+def _run_grad(fn: Callable[..., Any], rank: int, n: int, case: Case, given: tuple[Any, ...],
               traffic: Traffic, inputs: list[object]) -> list[tuple[_Call, _Made]]:
-    grad = rank_grad(seed, n, index, rank, case)
+    (grad,) = given
     inputs.append(grad)
     return [_measured(lambda: fn(grad), traffic, state=lambda: [grad])]
 
 
 def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: ZeroExercise,
-              cases: tuple[Case, ...], seed: int) -> list[list[_Call]]:
+              cases: tuple[Case, ...], given: list[tuple[Any, ...]]) -> list[list[_Call]]:
     """Runs every case on this rank with the collectives watched, then counts what each call
-    left alive (at the end, when gloo has let go of the tensors of finished collectives)."""
+    left alive (at the end, when gloo has let go of the tensors of finished collectives).
+    ``given``: this rank's inputs, case by case (:func:`_rank_inputs`)."""
     run = {ZeroExercise.SHARDED_STEP: _run_step, ZeroExercise.FSDP_FORWARD: _run_forward,
            ZeroExercise.REDUCE_SCATTER_GRAD: _run_grad}[exercise]
     results = []
@@ -222,7 +244,7 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Zero
             answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             with case_noted(index):
-                results.append(run(fn, rank, world_size, index, case, seed, traffic, inputs))
+                results.append(run(fn, rank, world_size, case, given[index], traffic, inputs))
     settle([made for calls in results for _, made in calls])
     return [[replace(call, held=made.live_bytes) for call, made in calls] for calls in results]
 
@@ -546,7 +568,8 @@ def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence
     return run_check(
         exercise.title, plan, timeout,
         worker=_rank_run,
-        args=lambda n: (fn, exercise, plan.cases, seed),
+        args=lambda n: (fn, exercise, plan.cases),
+        rank_args=lambda n: [(_rank_inputs(exercise, seed, n, r, plan.cases),) for r in range(n)],
         judge=lambda n, results: _judge(plan, n, results),
         explain_error=lambda n, err: _explain_error(plan, n, err),
         explain_timeout=lambda n, err, where: _explain_timeout(plan, n, err, timeout, where),

@@ -142,11 +142,29 @@ def _key_text(key: object) -> str:
     return f"a{'n' if type(key).__name__[0] in 'aeiou' else ''} {type(key).__name__}"
 
 
-def _run_hook(fn: Callable[..., Any], rank: int, n: int, index: int, case: GradCase, seed: int,
-              traffic: Traffic, keep: list[object]) -> tuple[_HookRun, list[AllocationTracker]]:
-    model = build_chain(case, chain_values(seed, n, index, case))
+def _rank_inputs(exercise: ZeroExercise, seed: int, n: int, rank: int,
+                 cases: tuple[GradCase, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """What rank ``rank`` is given, case by case, drawn here in the parent: 6.4 the model's
+    values (the same on every rank) and its own rows and targets, 6.5 its own shard of the
+    padded weights, its own input and output gradient. A rank never gets the seed, so it
+    cannot draw another rank's inputs."""
+    given: list[tuple[torch.Tensor, ...]] = []
+    for index, case in enumerate(cases):
+        if exercise is ZeroExercise.GRAD_HOOK:
+            given.append((*chain_values(seed, n, index, case),
+                          *chain_batch(seed, n, index, rank, case)))
+        else:
+            given.append((shard_of(linear_flat(seed, n, index, case), n, rank).clone(),
+                          *linear_batch(seed, n, index, rank, case)))
+    return given
+
+
+def _run_hook(fn: Callable[..., Any], rank: int, n: int, case: GradCase,
+              given: tuple[torch.Tensor, ...], traffic: Traffic, keep: list[object]
+              ) -> tuple[_HookRun, list[AllocationTracker]]:
+    *values, x, t = given
+    model = build_chain(case, values)
     params = list(model.parameters())
-    x, t = chain_batch(seed, n, index, rank, case)
     grad_shards: dict[Any, Any] = {}
     keep.append((model, grad_shards))  # alive until the end, as a wrapper keeps them
     fired: list[int] = []
@@ -204,12 +222,11 @@ def _pair(value: object) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
-def _run_backward(fn: Callable[..., Any], rank: int, n: int, index: int, case: GradCase,
-                  seed: int, traffic: Traffic, keep: list[object]
+def _run_backward(fn: Callable[..., Any], rank: int, n: int, case: GradCase,
+                  given: tuple[torch.Tensor, ...], traffic: Traffic, keep: list[object]
                   ) -> tuple[_BackwardCall, list[AllocationTracker]]:
     (in_features, out_features), = case.layers
-    shard = shard_of(linear_flat(seed, n, index, case), n, rank).clone()  # 1-D, k elements
-    x, grad_out = linear_batch(seed, n, index, rank, case)
+    shard, x, grad_out = given  # shard: 1-D, k elements
     before = [t.clone() for t in (shard, x, grad_out)]
     keep.extend((shard, x, grad_out))
     traffic.sent = 0.0
@@ -231,9 +248,10 @@ def _run_backward(fn: Callable[..., Any], rank: int, n: int, index: int, case: G
 
 
 def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: ZeroExercise,
-              cases: tuple[GradCase, ...], seed: int) -> list[Any]:
+              cases: tuple[GradCase, ...], given: list[tuple[torch.Tensor, ...]]) -> list[Any]:
     """Runs every case on this rank with the collectives watched, then counts what each call
-    left alive (at the end, when gloo has let go of the tensors of finished collectives)."""
+    left alive (at the end, when gloo has let go of the tensors of finished collectives).
+    ``given``: this rank's inputs, case by case (:func:`_rank_inputs`)."""
     run = _run_hook if exercise is ZeroExercise.GRAD_HOOK else _run_backward
     results = []
     keep: list[object] = []  # alive until the end: what the learner hangs on them is held
@@ -241,7 +259,7 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Zero
             answer_keys_refused(exercise.value):
         for index, case in enumerate(cases):
             with case_noted(index):
-                results.append(run(fn, rank, world_size, index, case, seed, traffic, keep))
+                results.append(run(fn, rank, world_size, case, given[index], traffic, keep))
     settle([made for _, trackers in results for made in trackers])
     return [replace(record, held=sum(m.live_bytes for m in trackers))
             for record, trackers in results]
@@ -530,7 +548,8 @@ def _check(exercise: ZeroExercise, fn: Callable[..., Any], world_sizes: Sequence
     return run_check(
         f"Exercise {exercise.value} {exercise.function}", plan, timeout,
         worker=_rank_run,
-        args=lambda n: (fn, exercise, plan.cases, seed),
+        args=lambda n: (fn, exercise, plan.cases),
+        rank_args=lambda n: [(_rank_inputs(exercise, seed, n, r, plan.cases),) for r in range(n)],
         judge=lambda n, results: _judge(plan, n, results),
         explain_error=lambda n, err: _explain_error(plan, n, err),
         explain_timeout=lambda n, err, where: _explain_timeout(plan, n, err, timeout, where),

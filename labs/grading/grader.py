@@ -76,6 +76,8 @@ _REASON_WIDTH = 110
 #: Ends the report of a grading run without a sandbox.
 NO_ISOLATION_NOTE = ("graded WITHOUT isolation (--no-isolation): the learners' code ran with "
                      "the grader's rights, beside the reference notebooks")
+#: The hidden cases' seed is drawn from 1 .. HIDDEN_SEEDS - 1.
+HIDDEN_SEEDS = 10**12
 _ANSI = re.compile(r"(\x1b|#x1B)\[[0-9;]*m")  # junit XML writes ESC as "#x1B"
 _CURRENT_ENV = "labs-grading-current-env"
 _SOCKETS = "kernel-socket"  # prefix of the stage-1 kernel's ipc socket files (not kept)
@@ -250,8 +252,10 @@ def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = Fa
                 f"make one: {problem}. Grade where it can, or pass --no-isolation to grade "
                 "without it (the learners' code then runs with your rights, beside the "
                 "reference notebooks; the report says so).")
+    # From a trillion values: a rank gets only its own inputs, drawn one-way from the seed, and
+    # must not find the seed by trying every value (labs.checks.core.CaseKeys).
     seed = None if not settings.hidden else settings.seed or random.SystemRandom().randrange(
-        1, 1_000_000)
+        1, HIDDEN_SEEDS)
     root = Path(tempfile.mkdtemp(prefix="labs-grading-"))
     total = sum(len(c.exercises) for _, c in plan)
     graded = []
@@ -464,7 +468,10 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
     stage.mkdir()
     submission.carry(work / COLLECT, stage, ex.submitted)
     verdicts = "verdicts.json"
-    cells = [_code(s) for s in judge_prelude(chapter, ex)]
+    # The kernel guards itself from the ranks first (labs.grading.guard), then imports.
+    cells = [_code("import labs.grading.guard as _labs_guard\n"
+                   f"_labs_guard.guard_judge_kernel({str(stage / 'judge.ipynb')!r})")]
+    cells += [_code(s) for s in judge_prelude(chapter, ex)]
     cells.append(_code(
         "import labs.grading.submission as _labs_grading\n"
         f"globals().update(_labs_grading.load({str(stage)!r}, {ex.submitted!r}))\n"
@@ -484,10 +491,11 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
     (stage / "sanitize.cfg").write_text(
         f"[verdict]\nregex: {VERDICT_REGEX}\nreplace: {VERDICT_REPLACE}\n")
     (stage / "pytest.ini").write_text("[pytest]\n")
-    # -P: the stage folder is not on pytest's path; --noconftest: no conftest.py is read.
+    # -P: the stage folder is not on pytest's path; --noconftest: no conftest.py is read;
+    # labs.grading.guard: pytest, not dumpable, so that no rank can trace it.
     command = [
-        sys.executable, "-P", "-m", "pytest", "judge.ipynb", "-q", "-p", "no:cacheprovider",
-        "--noconftest", "-c", "pytest.ini", "--rootdir", ".", "--nbval-lax",
+        sys.executable, "-P", "-m", "labs.grading.guard", "judge.ipynb", "-q", "-p",
+        "no:cacheprovider", "--noconftest", "-c", "pytest.ini", "--rootdir", ".", "--nbval-lax",
         "--nbval-current-env", f"--nbval-cell-timeout={int(timeout)}",
         "--nbval-sanitize-with", "sanitize.cfg", "--junitxml", "junit.xml",
     ]
