@@ -676,7 +676,7 @@ def test_verdicts_are_deterministic(capsys):
 
 
 def right_for_the_documented_numels_only(tensor):
-    if tensor.numel() <= 20 or tensor.numel() in (300, 301):
+    if tensor.numel() <= 20 or tensor.numel() in (300, 301, 65536):
         ring_all_reduce(tensor)
 
 
