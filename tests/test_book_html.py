@@ -38,20 +38,19 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from book_pages import CHAPTER_PAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML_ROOT = ROOT / "_build" / "html"
 VENDOR = ROOT / "book" / "static" / "vendor"  # see its README.md
 # The pages the browser opens; both must exist after `make book`.
-CHAPTER = "notebooks/01_toy_allreduce.html"
+CHAPTER = CHAPTER_PAGES[0]
 INTRO = "book/intro.html"
 # Chapter 2 adds a matplotlib animation (a JavaScript player) beside widgets and math (chapters
 # 3 and 4 refer back to its ring trace instead of animating their own).
-ANIMATED = ["notebooks/02_allreduce_algorithms.html"]
-# Chapters 3-8: widget panels, Gantt charts, memory plots and tables.
-WIDGET_PAGES = [f"notebooks/{name}.html"
-                for name in ("03_reduce_scatter", "04_all_gather", "05_ddp", "06_zero_fsdp",
-                             "07_fsdp_in_practice", "08_beyond_one_node")]
+ANIMATED = [CHAPTER_PAGES[1]]
+# Chapter 3 on (from _toc.yml): widget panels, Gantt charts, memory plots and tables.
+WIDGET_PAGES = CHAPTER_PAGES[2:]
 BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED, *WIDGET_PAGES]
 # matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
 ANIMATION_FRAME_ID = "_anim_img"

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from book_pages import CHAPTER_PAGES
 
 from labs.experiments.recipe import RecipeConfig, memory_budget
 from labs.experiments.zero import Recipe, bytes_per_parameter
@@ -41,17 +42,8 @@ CHROMIUM = "/usr/bin/chromium"
 STATE_MIME = "application/vnd.jupyter.widget-state+json"
 VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 PANEL_CLASS = "labs-recorded-panel"
-#: Each chapter page and the number of recorded panels it must hold.
-PANEL_PAGES = {
-    "notebooks/01_toy_allreduce.html": 1,
-    "notebooks/02_allreduce_algorithms.html": 1,
-    "notebooks/03_reduce_scatter.html": 1,
-    "notebooks/04_all_gather.html": 1,
-    "notebooks/05_ddp.html": 1,
-    "notebooks/06_zero_fsdp.html": 1,
-    "notebooks/07_fsdp_in_practice.html": 1,
-    "notebooks/08_beyond_one_node.html": 1,
-}
+#: Each chapter page (from _toc.yml) and the number of recorded panels it must hold: one each.
+PANEL_PAGES = dict.fromkeys(CHAPTER_PAGES, 1)
 ZERO_PAGE = "notebooks/06_zero_fsdp.html"
 BUDGET_PAGE = "notebooks/07_fsdp_in_practice.html"
 RENDER_TIMEOUT_MS = 60_000
