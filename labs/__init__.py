@@ -5,29 +5,37 @@ order:
 
 * :mod:`labs.launcher` - ``launch``: run ``fn(rank, world_size, ...)`` on N real ranks (every
   chapter); the package re-exports its names: ``from labs import launch, rank_device``.
-  Beneath it :mod:`labs.rank_errors` (what a failed or hung rank reports),
+  Beneath it :mod:`labs.launch_inputs` (what ``launch`` accepts, refused before any process
+  starts), :mod:`labs.rank_results` (what a launch hands back), :mod:`labs.rank_errors` (what
+  a failed or hung rank reports),
   :mod:`labs.rank_pickle` (how a notebook's function reaches the ranks) and
   :mod:`labs.torchrun` (the same labs under torchrun).
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling), with traffic counts and traces;
-  beneath it :mod:`labs.p2p` (the point-to-point calls, counted) and
+  beneath it :mod:`labs.torch_collectives` (torch's conventions and its own collectives, the
+  baseline), :mod:`labs.p2p` (the point-to-point calls, counted) and
   :mod:`labs.ring_schedule` (how a ring pass runs), and :mod:`labs.link` (``Link``, an
   emulated network those messages can go over: ``launch(..., link=Link(...))``, and
   ``Topology``, nodes joined by a slower link, chapter 8).
-* :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model, its closed forms on the
-  emulated link and its fit on this machine.
+* :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model and its closed forms on the
+  emulated link (its fit on this machine is :mod:`labs.experiments.cost_fit`).
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
 * :mod:`labs.ddp` - chapter 5: ``NaiveDDP`` and bucketed, overlapped ``DDP``; :mod:`labs.train`
   is the transformer training lab (``python -m labs ddp``).
-* :mod:`labs.zero` (ZeRO-1/2), :mod:`labs.fsdp` (ZeRO-3) and :mod:`labs.fsdp_torch` (torch's
-  ``fully_shard`` beside them) - chapter 6.
+* :mod:`labs.zero` (ZeRO-1/2), :mod:`labs.fsdp` (ZeRO-3; beneath it :mod:`labs.fsdp_unit`,
+  what one sharded unit is, and :mod:`labs.fsdp_collectives`, its torch collectives) and
+  :mod:`labs.fsdp_torch` (torch's ``fully_shard`` beside them) - chapter 6.
 * :mod:`labs.activations` (activation memory, checkpointing), :mod:`labs.precision` (fp16
   loss scaling, ``ShardedGradScaler``) and :mod:`labs.checkpoint` (sharded checkpoints that
-  load on any number of ranks) - chapter 7, FSDP in practice (``python -m labs fsdp``).
+  load on any number of ranks; their files are :mod:`labs.checkpoint_format`) - chapter 7, FSDP
+  in practice (``python -m labs fsdp``).
 * :mod:`labs.tensor_parallel` - chapter 8: Megatron's column- and row-parallel MLP; the
   chapter's ``Topology`` is in :mod:`labs.link`, ``hierarchical_all_reduce`` in
-  :mod:`labs.collectives`, HSDP is ``FSDP(shard_size=...)``.
+  :mod:`labs.collectives`, HSDP is ``FSDP(shard_size=...)``; every sub-group of the course
+  (nodes, HSDP's shard and replicate groups, a tensor-parallel mesh) comes from one grid of
+  named dimensions, :mod:`labs.grid`.
+* :mod:`labs.models` - the small models and step settings the chapters and tests share.
 * :mod:`labs.wrappers` - ``Wrapper``, which data-parallel wrapper holds the model, and the
   factory that builds each one.
 * :mod:`labs.tables` - plain text tables (one formatter, no matplotlib).

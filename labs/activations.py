@@ -468,7 +468,7 @@ def activation_bytes(batch: int, seq_len: int, d_model: int, n_heads: int, n_lay
 
 
 def mlp_activation_bytes(batch: int, width: int, layers: int, *, element_size: int = 4) -> int:
-    """Bytes the chapter-5/6 MLP (:func:`labs.experiments.ddp.mlp`: ``layers`` x (Linear(W, W),
+    """Bytes the chapter-5/6 MLP (:func:`labs.models.mlp`: ``layers`` x (Linear(W, W),
     ReLU)) and its loss ``out.square().mean()`` leave for backward: B·W·L·e.
 
     Each Linear saves its input; each ReLU saves its output, which is the next Linear's input

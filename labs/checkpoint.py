@@ -22,7 +22,7 @@ The layout of the directory ``path``, for a model saved on N ranks::
 
 Unit u's trainable parameters form one flat vector of ``numel`` elements; on N ranks rank r
 holds elements ``[r*k, (r+1)*k)`` of it zero-padded, ``k = ceil(numel / N)``
-(:class:`labs.fsdp.FlatUnit`). A shard file keeps only the real elements, ``[r*k,
+(:class:`labs.fsdp_unit.FlatUnit`). A shard file keeps only the real elements, ``[r*k,
 min((r+1)*k, numel))``: padding depends on N, so it is not part of the model's state (the
 last ranks' files are shorter; a rank whose shard is all padding writes empty tensors).
 Every file is written under a temporary name and renamed (``os.replace``) once complete;
@@ -41,14 +41,15 @@ instead of some loading and others failing, or waiting in a collective forever.
 
 torch's ``torch.distributed.checkpoint`` does the same for ``fully_shard`` models (DTensors;
 :mod:`labs.experiments.checkpoints` sets the two side by side).
+
+This module is the ranks' side: the resharding map, save and load. The directory's files, the
+index's records and the errors are :mod:`labs.checkpoint_format`.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,72 +58,53 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labs.fsdp import FSDP, FlatUnit, ShardedState
+from labs.checkpoint_format import (
+    FORMAT,
+    INDEX,
+    REPLICATED,
+    SHARD_FILE,
+    VERSION,
+    CheckpointError,
+    CheckpointIndex,
+    Problem,
+    SavedOptimizer,
+    SavedParameter,
+    SavedStateKey,
+    SavedUnit,
+    StateKind,
+    inspect,
+    open_file,
+    read_index,
+    real_numel,
+    shard_file_name,
+    write_file,
+    write_text_file,
+)
+from labs.fsdp import FSDP
+from labs.fsdp_unit import FlatUnit, ShardedState
 from labs.zero import shard_numel
 
-#: What ``index.json`` calls this layout, and its version (bumped on any change to it).
-FORMAT = "labs.checkpoint"
-VERSION = 1
-INDEX = "index.json"
-REPLICATED = "replicated.pt"
-_SHARD_FILE = re.compile(r"shard-\d{5}-of-\d{5}\.pt")
-
-
-def shard_file_name(rank: int, world_size: int) -> str:
-    """``shard-00002-of-00004.pt``: the file rank 2 of 4 writes."""
-    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
-
-
-class Problem(enum.Enum):
-    """Why a checkpoint could not be saved or loaded (:attr:`CheckpointError.problem`)."""
-
-    MISSING_INDEX = "missing index.json"
-    """No ``index.json``: not a checkpoint, or a save that did not finish."""
-    BAD_INDEX = "unreadable index.json"
-    """``index.json`` is not JSON, or not this format or version."""
-    MISSING_FILE = "missing file"
-    """A file the index lists is not in the directory."""
-    CORRUPT_FILE = "corrupt file"
-    """A file is truncated (not the size the index records), cannot be read by
-    ``torch.load``, or does not hold what the index says."""
-    OTHER_MODEL = "another model"
-    """The checkpoint's units or parameters (names, numel, shapes) differ from the model's."""
-    OTHER_OPTIMIZER = "another optimizer"
-    """The optimizer's class or param groups differ from the saved one's, or one of the two
-    has no optimizer."""
-    HYBRID = "hybrid-sharded model"
-    """The model is HSDP (``shard_size`` < world size): its shards are cut by the shard
-    group, not by every rank, and this layout does not describe them."""
-    MID_STEP = "model mid-step"
-    """A unit is gathered (a forward or backward is running): load between steps."""
-    WRITE_FAILED = "write failed"
-    """A rank could not write its file."""
-    OTHER_RANK = "another rank failed"
-    """This rank found nothing wrong, but another rank did: nothing was done here either."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; the message names the file (``path``)
-    and says what to do. Raised on every rank, before anything is overwritten."""
-
-    def __init__(self, message: str, problem: Problem, path: str | os.PathLike[str]) -> None:
-        super().__init__(message)
-        self.problem = problem
-        self.path = str(path)
-
-    def __reduce__(self) -> tuple[Any, ...]:  # so that it crosses a process boundary whole
-        return (type(self), (str(self), self.problem, self.path))
-
-
-class StateKind(enum.Enum):
-    """How one key of the optimizer's per-parameter state is stored."""
-
-    SHARDED = "sharded"
-    """A tensor of the shard's shape (Adam's exp_avg, exp_avg_sq; SGD's momentum_buffer):
-    cut and saved like the parameter, each rank its real elements."""
-    SCALAR = "scalar"
-    """A 0-d tensor or a number, the same on every rank (Adam's step): rank 0 writes it once."""
-
+#: What a caller imports from here: save, load, the resharding map, and (from
+#: :mod:`labs.checkpoint_format`) the layout, the index and the errors.
+__all__ = [
+    "FORMAT",
+    "INDEX",
+    "REPLICATED",
+    "VERSION",
+    "CheckpointError",
+    "CheckpointIndex",
+    "Problem",
+    "SavedOptimizer",
+    "SavedParameter",
+    "SavedStateKey",
+    "SavedUnit",
+    "StateKind",
+    "inspect",
+    "load",
+    "save",
+    "shard_file_name",
+    "shard_pieces",
+]
 
 # --- the mapping between shards of N and of W ranks ----------------------------------------------
 
@@ -159,165 +141,6 @@ def shard_pieces(numel: int, saved_world_size: int, world_size: int, rank: int
     return pieces
 
 
-def _real_numel(numel: int, world_size: int, rank: int) -> int:
-    """Real (not padding) elements of rank ``rank``'s shard on ``world_size`` ranks."""
-    k = shard_numel(numel, world_size)
-    return max(0, min(k, numel - rank * k))
-
-
-# --- the index -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SavedParameter:
-    """One trainable parameter in its unit's flat vector."""
-
-    names: tuple[str, ...]  #: its names in the model (two or more when tied)
-    shape: tuple[int, ...]
-    offset: int  #: where it starts in the unit's flat vector
-
-
-@dataclass(frozen=True)
-class SavedUnit:
-    """One FSDP unit as saved: its flat vector's layout."""
-
-    name: str
-    numel: int  #: elements of the flat vector, without padding
-    params: tuple[SavedParameter, ...]
-
-
-@dataclass(frozen=True)
-class SavedStateKey:
-    """One key of a unit's optimizer state."""
-
-    key: str
-    kind: StateKind
-    dtype: str  #: torch dtype name of a SHARDED tensor ("float32"); "" for a scalar
-
-
-@dataclass(frozen=True)
-class SavedOptimizer:
-    """What ``index.json`` records about the optimizer."""
-
-    class_name: str
-    param_groups: tuple[tuple[tuple[str, ...], Mapping[str, Any]], ...]
-    """Per group: the units whose shards it holds, and its hyper-parameters (lr, betas...)."""
-    state: Mapping[str, tuple[SavedStateKey, ...]]
-    """Per unit: its state's keys, in the optimizer's order; empty before the first step."""
-
-
-@dataclass(frozen=True)
-class CheckpointIndex:
-    """A checkpoint directory's ``index.json``, read and checked by :func:`inspect`."""
-
-    path: Path
-    version: int
-    world_size: int  #: N, the ranks it was saved on
-    units: tuple[SavedUnit, ...]
-    files: tuple[str, ...]  #: the shard files, saved rank order
-    file_bytes: tuple[int, ...]  #: their sizes
-    replicated: Mapping[str, tuple[int, ...]]  #: frozen parameters and buffers: name -> shape
-    replicated_bytes: int  #: size of ``replicated.pt``
-    optimizer: SavedOptimizer | None  #: None when saved without an optimizer
-    extra: Mapping[str, Any] = field(default_factory=dict)  #: what the caller asked to keep
-
-    def shard_file(self, saved_rank: int) -> Path:
-        return self.path / self.files[saved_rank]
-
-    @property
-    def total_bytes(self) -> int:
-        """Every file of the checkpoint, ``index.json`` included."""
-        return sum(self.file_bytes) + self.replicated_bytes + (self.path / INDEX).stat().st_size
-
-    def bytes_to_read(self, world_size: int, rank: int) -> int:
-        """Bytes of tensor elements rank ``rank`` of ``world_size`` copies from the shard
-        files on :func:`load` (parameters and sharded optimizer state): its new shard's real
-        elements, whatever N was. ``index.json`` and ``replicated.pt``, read by every rank,
-        and the files' headers are not counted."""
-        total = 0
-        for unit in self.units:
-            real = _real_numel(unit.numel, world_size, rank)
-            per_element = 4  # the fp32 parameter
-            if self.optimizer is not None:
-                per_element += sum(torch.empty(0, dtype=getattr(torch, k.dtype)).element_size()
-                                   for k in self.optimizer.state.get(unit.name, ())
-                                   if k.kind is StateKind.SHARDED)
-            total += real * per_element
-        return total
-
-
-def _corrupt_index(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is not a readable {FORMAT} index ({why}): it was not written by "
-        f"labs.checkpoint.save of this version ({VERSION}); save the checkpoint again.",
-        Problem.BAD_INDEX, path)
-
-
-def _read_index(path: Path) -> CheckpointIndex:
-    """``index.json`` of the directory ``path``, parsed (files are not checked here)."""
-    file = path / INDEX
-    if not file.is_file():
-        where = ("the directory does not exist" if not path.exists() else
-                 "the directory has no index")
-        raise CheckpointError(
-            f"no checkpoint at {path}: {file} is missing ({where}). Give the directory that "
-            "labs.checkpoint.save wrote; if a save was interrupted, save again (the index is "
-            "written last, so a directory without one is incomplete).",
-            Problem.MISSING_INDEX, file)
-    try:
-        raw = json.loads(file.read_text())
-        if raw.get("format") != FORMAT:
-            raise _corrupt_index(file, f"format {raw.get('format')!r}")
-        if raw.get("version") != VERSION:
-            raise _corrupt_index(file, f"version {raw.get('version')!r}")
-        units = tuple(SavedUnit(u["name"], int(u["numel"]), tuple(
-            SavedParameter(tuple(p["names"]), tuple(p["shape"]), int(p["offset"]))
-            for p in u["params"])) for u in raw["units"])
-        optimizer = None
-        if raw["optimizer"] is not None:
-            opt = raw["optimizer"]
-            optimizer = SavedOptimizer(
-                opt["class"],
-                tuple((tuple(g["units"]), dict(g["hyper"])) for g in opt["param_groups"]),
-                {name: tuple(SavedStateKey(k["key"], StateKind(k["kind"]), k["dtype"])
-                             for k in keys) for name, keys in opt["state"].items()})
-        return CheckpointIndex(
-            path=path, version=raw["version"], world_size=int(raw["world_size"]), units=units,
-            files=tuple(f["name"] for f in raw["files"]),
-            file_bytes=tuple(int(f["bytes"]) for f in raw["files"]),
-            replicated={k: tuple(v) for k, v in raw["replicated"]["tensors"].items()},
-            replicated_bytes=int(raw["replicated"]["bytes"]), optimizer=optimizer,
-            extra=raw.get("extra", {}))
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise _corrupt_index(file, f"{type(error).__name__}: {error}") from error
-
-
-def _check_file(file: Path, expected_bytes: int) -> None:
-    if not file.is_file():
-        raise CheckpointError(
-            f"checkpoint file {file} is missing (the index lists it): copy the whole "
-            "checkpoint directory, or save again.", Problem.MISSING_FILE, file)
-    size = file.stat().st_size
-    if size != expected_bytes:
-        raise CheckpointError(
-            f"checkpoint file {file} has {size} bytes, not the {expected_bytes} its index "
-            "records: it is truncated or was overwritten. Copy it again from where it was "
-            "saved, or save again.", Problem.CORRUPT_FILE, file)
-
-
-def inspect(path: str | os.PathLike[str]) -> CheckpointIndex:
-    """Read the checkpoint directory ``path``'s index and check that every file it lists is
-    there, at its recorded size; in the calling process (no ranks), so that a notebook
-    refuses a bad checkpoint before it launches any. Raises :class:`CheckpointError`."""
-    index = _read_index(Path(path))
-    for saved_rank in range(index.world_size):
-        _check_file(index.shard_file(saved_rank), index.file_bytes[saved_rank])
-    _check_file(index.path / REPLICATED, index.replicated_bytes)
-    return index
-
-
 # --- talking between ranks -----------------------------------------------------------------------
 
 
@@ -341,10 +164,6 @@ def _agree(found: BaseException | None, what: str, path: Path, group: dist.Proce
             f"{what} {path} failed on rank {rank}, so it was not done on this rank either: "
             f"{message}", Problem.OTHER_RANK, path)
     return [p for _, p in gathered]
-
-
-def _flag_device(model: FSDP) -> torch.device:
-    return model.units[0].shard.device if model.units else torch.device("cpu")
 
 
 def _check_sharded(model: FSDP, path: Path) -> None:
@@ -423,27 +242,6 @@ def _state_keys(unit: FlatUnit, state: Mapping[str, Any], path: Path) -> list[Sa
     return keys
 
 
-def _write(payload: Any, file: Path) -> int:
-    """torch.save under a temporary name, flushed to disk, then renamed: a crash leaves no
-    half-written file under the real name. Returns the file's size."""
-    partial = file.with_name(file.name + ".partial")
-    with open(partial, "wb") as out:
-        torch.save(payload, out)
-        out.flush()
-        os.fsync(out.fileno())  # the rename must not reach the disk before the data
-    os.replace(partial, file)
-    return file.stat().st_size
-
-
-def _write_text(text: str, file: Path) -> None:
-    partial = file.with_name(file.name + ".partial")
-    with open(partial, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, file)
-
-
 def save(path: str | os.PathLike[str], model: FSDP,
          optimizer: torch.optim.Optimizer | None = None, *,
          extra: Mapping[str, Any] | None = None) -> None:
@@ -499,7 +297,7 @@ def save(path: str | os.PathLike[str], model: FSDP,
         units: dict[str, dict[str, Any]] = {}
         scalars: dict[str, dict[str, Any]] = {}
         for unit in model.units:
-            real = _real_numel(unit.numel, world_size, rank)
+            real = real_numel(unit.numel, world_size, rank)
             # clone(): torch.save writes a view's whole storage, padding included
             entry: dict[str, Any] = {"param": unit.shard.detach()[:real].clone().cpu(),
                                      "state": {}}
@@ -512,12 +310,12 @@ def save(path: str | os.PathLike[str], model: FSDP,
                     scalars.setdefault(unit.name, {})[key.key] = (
                         value.detach().cpu() if isinstance(value, torch.Tensor) else value)
             units[unit.name] = entry  # 1-D tensors of `real` elements
-        shard_bytes = _write({"format": FORMAT, "version": VERSION, "rank": rank,
+        shard_bytes = write_file({"format": FORMAT, "version": VERSION, "rank": rank,
                               "world_size": world_size, "units": units}, file)
         replicated_bytes = 0
         if rank == 0:
             replicated = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
-            replicated_bytes = _write({"tensors": replicated, "optimizer_scalars": scalars},
+            replicated_bytes = write_file({"tensors": replicated, "optimizer_scalars": scalars},
                                       directory / REPLICATED)
         sizes = (shard_bytes, replicated_bytes)
     except Exception as error:
@@ -530,7 +328,7 @@ def save(path: str | os.PathLike[str], model: FSDP,
         if rank == 0:
             files = [shard_file_name(r, world_size) for r in range(world_size)]
             for stale in directory.iterdir():  # another world size's shards, from before
-                if _SHARD_FILE.fullmatch(stale.name) and stale.name not in files:
+                if SHARD_FILE.fullmatch(stale.name) and stale.name not in files:
                     stale.unlink()
             index = {
                 "format": FORMAT, "version": VERSION, "world_size": world_size,
@@ -549,7 +347,7 @@ def save(path: str | os.PathLike[str], model: FSDP,
                                      for k in keys] for name, keys in state_keys.items()}},
                 "extra": json.loads(extra_json),
             }
-            _write_text(json.dumps(index, indent=1), directory / INDEX)
+            write_text_file(json.dumps(index, indent=1), directory / INDEX)
     except Exception as error:
         found = CheckpointError(f"rank 0 could not write {directory / INDEX}: {error}",
                                 Problem.WRITE_FAILED, directory / INDEX)
@@ -617,18 +415,6 @@ def _check_optimizer(index: CheckpointIndex, model: FSDP,
             Problem.OTHER_OPTIMIZER, file)
 
 
-def _open(file: Path, expected_bytes: int) -> dict[str, Any]:
-    """A checkpoint file, memory-mapped: its tensors' bytes are read only where used."""
-    _check_file(file, expected_bytes)
-    try:
-        return torch.load(str(file), map_location="cpu", mmap=True, weights_only=True)
-    except Exception as error:  # any failure means the same: unreadable
-        raise CheckpointError(
-            f"checkpoint file {file} cannot be read ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}): it is corrupt. Copy it again "
-            "from where it was saved, or save again.", Problem.CORRUPT_FILE, file) from error
-
-
 def _saved_tensor(content: dict[str, Any], file: Path, unit: str, key: str | None,
                   numel: int) -> torch.Tensor:
     """The 1-D tensor of ``numel`` elements a shard file holds for a unit's parameter
@@ -660,12 +446,12 @@ class _Loaded:
 
 def _read(path: Path, model: FSDP, optimizer: torch.optim.Optimizer | None) -> _Loaded:
     """Everything this rank needs, read and checked; nothing of the model touched yet."""
-    index = _read_index(path)
+    index = read_index(path)
     _check_sharded(model, path)
     _check_model(index, model)
     _check_optimizer(index, model, optimizer)
     rank, world_size = model.rank, model.world_size
-    extras = _open(path / REPLICATED, index.replicated_bytes)
+    extras = open_file(path / REPLICATED, index.replicated_bytes)
     replicated = extras.get("tensors") if isinstance(extras, dict) else None
     if not isinstance(replicated, dict) or {k: tuple(v.shape) for k, v in replicated.items()
                                             } != dict(index.replicated):
@@ -682,7 +468,7 @@ def _read(path: Path, model: FSDP, optimizer: torch.optim.Optimizer | None) -> _
         for saved_rank, _, _ in pieces:
             if saved_rank not in files:
                 file = index.shard_file(saved_rank)
-                files[saved_rank] = _open(file, index.file_bytes[saved_rank])
+                files[saved_rank] = open_file(file, index.file_bytes[saved_rank])
                 if (files[saved_rank].get("rank"), files[saved_rank].get("world_size")) != (
                         saved_rank, index.world_size):
                     raise CheckpointError(
@@ -695,7 +481,7 @@ def _read(path: Path, model: FSDP, optimizer: torch.optim.Optimizer | None) -> _
             out = torch.zeros(u.shard.numel(), dtype=dtype)  # 1-D, k_new; padding stays 0
             at = 0
             for saved_rank, start, stop in pieces:
-                real = _real_numel(u.numel, index.world_size, saved_rank)
+                real = real_numel(u.numel, index.world_size, saved_rank)
                 name = None if key is None else key.key
                 saved = _saved_tensor(files[saved_rank], index.shard_file(saved_rank), u.name,
                                       name, real)

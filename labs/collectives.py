@@ -27,19 +27,22 @@ for clusters of workstations", JPDC 2009): each rank must receive at least (N-1)
 the other ranks' contributions to its share and send as much, once per phase.
 
 This module lays each algorithm out; :mod:`labs.p2p` holds the point-to-point calls that
-count their traffic, and :mod:`labs.ring_schedule` runs a ring's steps (lock-step, or cut into
-segments and pipelined from a schedule compiled once per tensor).
+count their traffic, :mod:`labs.ring_schedule` runs a ring's steps (lock-step, or cut into
+segments and pipelined from a schedule compiled once per tensor), and
+:mod:`labs.torch_collectives` holds the conventions above and torch's own collectives
+(``Algorithm.TORCH``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+
+from labs.grid import ProcessGrid, node_layout  # the hierarchical all-reduce's node grid
 
 # The point-to-point plumbing and the ring's schedule live in their own modules; the names a
 # caller of the collectives needs are re-exported here.
@@ -55,70 +58,16 @@ from labs.ring_schedule import DEFAULT_WINDOW as DEFAULT_WINDOW
 from labs.ring_schedule import RingBuffers as RingBuffers
 from labs.ring_schedule import StepPlan, execute, run_ring
 
-# --- chunking -------------------------------------------------------------------------------
-
-
-def shard_bounds(numel: int, world_size: int) -> list[int]:
-    """The N+1 offsets that cut ``numel`` elements into N chunks, as ``torch.tensor_split``
-    does: chunk i is ``[bounds[i], bounds[i+1])`` and the first ``numel % N`` chunks hold one
-    element more than the rest."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    base, extra = divmod(numel, world_size)
-    bounds = [0]
-    for i in range(world_size):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
-
-
-# --- point-to-point plumbing ----------------------------------------------------------------
-
-
-def _is_avg(op: ReduceOp) -> bool:
-    """Whether ``op`` (SUM or AVG, as :func:`_check` lets through) is AVG. By identity first:
-    ``==`` on torch's ReduceOp values is a pybind11 call, over ten times slower, and on the
-    ring's hot path every microsecond before the first send counts."""
-    return op is ReduceOp.AVG or (op is not ReduceOp.SUM and op == ReduceOp.AVG)
-
-
-def _is_supported(op: object) -> bool:
-    """SUM or AVG, given as torch spells them: ``ReduceOp.SUM`` (a ``ReduceOp.RedOpType``) or
-    a ``ReduceOp`` object made from one, ``ReduceOp(ReduceOp.SUM)``, which torch's own
-    collectives accept too. Not the plain integers the enum compares equal to. The ``ReduceOp``
-    object goes on the left of ``==``: ``ReduceOp.SUM == ReduceOp(ReduceOp.SUM)`` is False."""
-    if op is ReduceOp.SUM or op is ReduceOp.AVG:
-        return True
-    return isinstance(op, (ReduceOp, ReduceOp.RedOpType)) and (
-        op == ReduceOp.SUM or op == ReduceOp.AVG)
-
-
-def _check(tensor: torch.Tensor, op: ReduceOp) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if not _is_supported(op):
-        raise ValueError(f"op must be ReduceOp.SUM or ReduceOp.AVG, got {op!r}")
-    if _is_avg(op) and not tensor.is_floating_point():
-        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
-
-
-def _in_place(tensor: torch.Tensor, body: Callable[[torch.Tensor], None],
-              buffers: RingBuffers | None = None) -> torch.Tensor:
-    """Run ``body`` on a flat contiguous view of ``tensor`` (through a copy if need be: kept in
-    ``buffers``, when given, so that a kept ring pass finds the same memory next call)."""
-    if tensor.is_contiguous():
-        body(tensor.view(-1))
-    else:
-        flat = tensor.contiguous().view(-1) if buffers is None else buffers.stage(tensor)
-        body(flat)
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
-
-
-def _finish(tensor: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-    if world_size > 1 and _is_avg(op):
-        tensor.div_(world_size)
-    return tensor
-
+# torch.distributed's conventions (chunks as tensor_split cuts them, SUM or AVG, in place on a
+# flat view) and torch's own collectives live in labs.torch_collectives. The algorithms here
+# call the conventions by short private names: _check, _in_place, _finish.
+from labs.torch_collectives import builtin_all_gather as builtin_all_gather
+from labs.torch_collectives import builtin_reduce_scatter as builtin_reduce_scatter
+from labs.torch_collectives import check_tensor_and_op as _check
+from labs.torch_collectives import finish as _finish
+from labs.torch_collectives import in_place as _in_place
+from labs.torch_collectives import shard_bounds as shard_bounds
+from labs.torch_collectives import torch_all_gather, torch_all_reduce, torch_reduce_scatter
 
 # --- naive: reduce to a root, broadcast back --------------------------------------------------
 
@@ -463,14 +412,7 @@ def all_reduce(
     """All-reduce ``tensor`` in place with the chosen algorithm; returns ``tensor``."""
     if algorithm is Algorithm.TORCH:
         _check(tensor, op)
-        peers = _torch_peers(group, recorder)
-        if _sum_then_divide(op, peers, tensor):
-            def body(flat: torch.Tensor) -> None:
-                dist.all_reduce(flat, op=ReduceOp.SUM, group=group)
-                _finish(flat, op, peers.size)
-
-            return _in_place(tensor, body)
-        return _in_place(tensor, lambda flat: dist.all_reduce(flat, op=op, group=group))
+        return torch_all_reduce(tensor, op, _torch_peers(group, recorder))
     fn = {
         Algorithm.NAIVE: naive_all_reduce,
         Algorithm.WHOLE_TENSOR_RING: whole_tensor_ring_all_reduce,
@@ -489,16 +431,6 @@ def _torch_peers(group: ProcessGroup | None, recorder: Recorder | None) -> Peers
                          "built-in sends its own, which it cannot see: pass recorder=None with "
                          "Algorithm.TORCH, or count another algorithm.")
     return Peers.of(group, None)
-
-
-def _sum_then_divide(op: ReduceOp, peers: Peers, tensor: torch.Tensor) -> bool:
-    """Whether torch's built-in is asked for a SUM that is then divided by N, instead of AVG:
-    on gloo. gloo in torch 2.4 refuses AVG ("Cannot use ReduceOp.AVG with Gloo"); later
-    releases accept it and compute that SUM and division (bit for bit the same on torch 2.13,
-    ``tests/test_collectives.py``), except torch 2.8's reduce-scatter, which ignores AVG and
-    returns the SUM. So the two steps here change nothing where gloo averages right and give
-    the mean where it does not. NCCL averages natively."""
-    return _is_avg(op) and backend_for_device(peers.backend, tensor.device.type) == "gloo"
 
 
 def _only_ring_or_torch(collective: Collective, algorithm: Algorithm) -> None:
@@ -521,41 +453,7 @@ def reduce_scatter(
     if algorithm is Algorithm.RING:
         return ring_reduce_scatter(tensor, op, group, recorder=recorder)
     _check(tensor, op)
-    peers = _torch_peers(group, recorder)
-    n, r = peers.size, peers.rank
-    wire_op = ReduceOp.SUM if _sum_then_divide(op, peers, tensor) else op
-    flat = tensor.detach().reshape(-1)
-    bounds = shard_bounds(flat.numel(), n)
-    longest = bounds[1] - bounds[0]
-    out = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-    if longest * n == flat.numel():  # even chunks: no padded copy
-        builtin_reduce_scatter(out, flat.contiguous(), wire_op, group)
-    else:
-        padded = torch.zeros(longest * n, dtype=flat.dtype, device=flat.device)
-        for i in range(n):  # chunk i at i*longest, so torch's even split matches ours
-            padded[i * longest: i * longest + bounds[i + 1] - bounds[i]] = (
-                flat[bounds[i]:bounds[i + 1]])
-        builtin_reduce_scatter(out, padded, wire_op, group)
-        out = out[: bounds[r + 1] - bounds[r]].clone()
-    return _finish(out, op, n) if wire_op is not op else out
-
-
-def builtin_reduce_scatter(
-    out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup | None
-) -> None:
-    """torch.distributed's own reduce-scatter of ``tensor`` (numel = N x ``out``'s) into ``out``.
-
-    torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` (the old name
-    warns on every call); torch 2.4 has only the old one."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, tensor, op=op, group=group)
-
-
-def builtin_all_gather(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> None:
-    """torch.distributed's own all-gather of equal ``shard``s into ``out`` (``all_gather_single``
-    on torch 2.13, ``all_gather_into_tensor`` before)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, shard, group=group)
+    return torch_reduce_scatter(tensor, op, _torch_peers(group, recorder))
 
 
 def all_gather(
@@ -570,28 +468,7 @@ def all_gather(
         return ring_all_gather(shard, group, numel=numel, recorder=recorder)
     if not isinstance(shard, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(shard).__name__}")
-    peers = _torch_peers(group, recorder)
-    n = peers.size
-    flat = shard.detach().reshape(-1)
-    total = flat.numel() * n if numel is None else numel
-    bounds = shard_bounds(total, n)
-    expected = bounds[peers.rank + 1] - bounds[peers.rank]
-    if flat.numel() != expected:  # the same refusal as ring_all_gather's
-        raise ValueError(
-            f"rank {peers.rank}: shard has {flat.numel()} elements but chunk {peers.rank} of "
-            f"{total} over {n} ranks has {expected} (shard_bounds)."
-        )
-    longest = bounds[1] - bounds[0]
-    if longest * n == total:  # even shards: gather straight into the result
-        out = torch.empty(total, dtype=flat.dtype, device=flat.device)
-        builtin_all_gather(out, flat.contiguous(), group)
-        return out
-    padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    gathered = torch.empty(longest * n, dtype=flat.dtype, device=flat.device)
-    builtin_all_gather(gathered, padded, group)
-    return torch.cat([gathered[i * longest: i * longest + bounds[i + 1] - bounds[i]]
-                      for i in range(n)])
+    return torch_all_gather(shard, _torch_peers(group, recorder), numel)
 
 
 # --- beyond one node: the hierarchical all-reduce (chapter 8) ---------------------------------
@@ -602,12 +479,14 @@ class HierarchicalGroups:
     """The sub-groups of a hierarchical all-reduce over ``group`` (None: the world) in nodes of
     ``node_size`` consecutive ranks: ``node``, this rank's node (group ranks j*g .. j*g+g-1,
     g = ``node_size``), and ``cross``, the ranks of every node with this rank's local rank
-    (l, l+g, l+2g, ...).
+    (l, l+g, l+2g, ...). They are the two dimensions of the grid
+    :func:`labs.grid.node_layout`, ``("cross", "node")`` of shape (N/g, g).
 
     Build it once and pass it to every call: :meth:`build` is a collective in which every rank
     of the default process group creates every sub-group, in the same order, as
-    ``dist.new_group`` requires (one call per node and per local rank: n + g calls, each a
-    round of the store). Kept by the caller, so there is no module-level cache."""
+    ``dist.new_group`` requires (:class:`labs.grid.ProcessGrid`: one call per node and per
+    local rank, n + g calls, each a round of the store). Kept by the caller, so there is no
+    module-level cache."""
 
     node_size: int
     size: int  #: ranks in ``group``
@@ -620,19 +499,8 @@ class HierarchicalGroups:
         """Create the node and cross-node groups of this rank (call it on every rank)."""
         size = dist.get_world_size(group)
         _check_node_size(node_size, size)
-        ranks = [i if group is None else dist.get_global_rank(group, i) for i in range(size)]
-        mine = dist.get_rank(group)
-        node: ProcessGroup | None = None
-        cross: ProcessGroup | None = None
-        for j in range(size // node_size):  # every rank creates every group, in this order
-            made = dist.new_group(ranks[j * node_size:(j + 1) * node_size])
-            if j == mine // node_size:
-                node = made
-        for local in range(node_size):
-            made = dist.new_group(ranks[local::node_size])
-            if local == mine % node_size:
-                cross = made
-        return cls(node_size, size, node, cross, group)
+        grid = ProcessGrid.build(node_layout(size, node_size), group)
+        return cls(node_size, size, grid["node"], grid["cross"], group)
 
 
 def _check_node_size(node_size: object, world_size: int) -> None:

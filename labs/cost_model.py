@@ -1,4 +1,5 @@
-"""The latency-bandwidth (alpha-beta) cost model: on the emulated link, and fitted on this machine.
+"""The latency-bandwidth (alpha-beta) cost model: its closed forms, on the emulated link and
+on nodes joined by a slower link.
 
 Chapter 2. A message of m bytes between two ranks takes ``T(m) = alpha + beta * m``: alpha is
 the fixed cost of a message (software overhead, a handshake, a wake-up), beta the seconds per
@@ -7,136 +8,52 @@ closed forms for the collectives are those of Thakur, Rabenseifner and Gropp, "O
 collective communication operations in MPICH" (IJHPCA 2005), checked against the code of
 :mod:`labs.collectives`.
 
-Two uses of it live here:
+Three uses of it live here:
 
+* **Priced by parameters** (:class:`AlphaBeta`): :func:`coefficients` counts each algorithm's
+  messages, bytes and additions on the critical path, :func:`predict` prices them and
+  :func:`crossover_bytes` finds the size at which two algorithms take equally long. The
+  parameters are chosen by hand or fitted on this machine's real transport
+  (:func:`labs.experiments.cost_fit.fit_alpha_beta`).
 * **On the emulated link** (:class:`labs.Link`), where the model is the wire:
   :func:`predict_on_link` gives an all-reduce's time from the schedule of each algorithm and
   the link's port model, and :func:`crossover_on_link` the size at which two algorithms take
   equally long. Measured on real ranks, every time lands within a few per cent of these
   (chapter 2 and ``tests/test_link_model.py`` show it).
-* **Fitted on this machine's real transport** (:func:`fit_alpha_beta`): ranks 0 and 1
-  exchange m bytes (each sends and receives at once, as in a ring step) for m from 4 B to
-  4 MiB, and a line is fitted to the best time of each size; reducing m bytes that arrived
-  costs ``gamma * m`` more (the slope of ``torch.add`` times). On one machine the "link" is a
-  memory copy made by the CPUs over loopback, so alpha is mostly CPU time that every message
-  pays in turn, and an exchange costs about twice a one-way message. :func:`predict` and
-  :func:`coefficients` price each algorithm with these parameters.
+* **On a topology** (:class:`labs.Topology`, chapter 8): the flat ring against the
+  hierarchical all-reduce, step by step (:func:`ring_step_times`, :func:`predict_on_topology`)
+  and in bytes between nodes (:func:`bytes_across_nodes`).
 
-What the fitted model leaves out: several pairs of ranks copying at once and competing for the
-cores and the memory bus (every rank of a ring sends at the same time; the fit measured one
-pair), ranks waiting for a core when there are more ranks than cores, the Python work of each
-call of the from-scratch collectives (it shows at small sizes), the pipelining of the CPU ring,
-one-way messages (the naive root's) that cost less than the exchange the fit measured, and
-whatever algorithm torch's built-in picks (there is no closed form for ``Algorithm.TORCH``).
-:func:`measured_over_predicted` and :func:`plot_cost_model` show where it is wrong.
+What the model fitted on one machine leaves out: several pairs of ranks copying at once and
+competing for the cores and the memory bus (every rank of a ring sends at the same time; the
+fit measured one pair), ranks waiting for a core when there are more ranks than cores, the
+Python work of each call of the from-scratch collectives (it shows at small sizes), the
+pipelining of the CPU ring, one-way messages (the naive root's) that cost less than the
+exchange the fit measured, and whatever algorithm torch's built-in picks (there is no closed
+form for ``Algorithm.TORCH``). :func:`labs.experiments.cost_fit.measured_over_predicted` and
+:func:`labs.viz.cost_model.plot_cost_model` show where it is wrong.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective, shard_bounds
-from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p, time_reduction
-from labs.experiments.timing import COMM_THREADS, Statistic, format_size
-from labs.launcher import cpu_cores, launch
 from labs.link import Link, Topology
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
-    from labs.experiments.timing import CollectiveTiming
-
-# Ranks import this module to find _cost_points: matplotlib is imported where a figure is made.
-
-#: Message sizes of the point-to-point fit: 4 B to 4 MiB.
-DEFAULT_P2P_SIZES: tuple[int, ...] = (4, 64, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
-#: Chunk sizes of the reduction (gamma) fit: 4 KiB to 4 MiB, large enough that the per-call
-#: overhead of torch.add does not dominate.
-DEFAULT_REDUCE_SIZES: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
-
-
-@dataclass(frozen=True)
-class LineFit:
-    """``seconds = intercept + slope * bytes``, fitted to measured points.
-
-    ``r_squared`` is the usual 1 - SS_res / SS_tot on the seconds themselves (dominated by the
-    largest sizes); ``max_relative_residual`` is the worst |measured - fitted| / measured over
-    the points, which is what shows a poor fit at small sizes.
-    """
-
-    intercept: float
-    slope: float
-    r_squared: float
-    max_relative_residual: float
-
-
-def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> LineFit:
-    """Least-squares fit of ``seconds = intercept + slope * size`` in relative terms.
-
-    Minimises sum(((t_i - intercept - slope * m_i) / t_i) ** 2): the sizes span six orders of
-    magnitude, and an ordinary fit would let the largest message decide the intercept alone
-    (a 4 MiB message's noise is larger than a 4 B message's whole time). A negative intercept
-    or slope has no physical meaning; when the unconstrained fit gives one, that term is fixed
-    at 0 and the other refitted (so the fit stays usable, and its residuals show the misfit).
-    """
-    m = np.asarray(sizes, dtype=np.float64)
-    t = np.asarray(seconds, dtype=np.float64)
-    if m.ndim != 1 or m.shape != t.shape or len(m) < 2:
-        raise ValueError("fit_line needs at least two (size, seconds) points of equal count.")
-    if not (np.all(np.isfinite(m)) and np.all(np.isfinite(t)) and np.all(t > 0)
-            and np.all(m >= 0)):
-        raise ValueError("sizes must be >= 0 and seconds > 0 and finite to fit a line.")
-    if len(np.unique(m)) < 2:
-        raise ValueError("fit_line needs at least two different sizes.")
-    weights = 1.0 / t
-    design = np.stack([np.ones_like(m), m], axis=1) * weights[:, None]
-    target = t * weights  # = 1
-    (intercept, slope), *_ = np.linalg.lstsq(design, target, rcond=None)
-    if intercept < 0:
-        intercept = 0.0
-        slope = float(np.sum(m * t * weights**2) / np.sum((m * weights) ** 2))
-    elif slope < 0:
-        slope = 0.0
-        intercept = float(np.sum(weights) / np.sum(weights**2))
-    fitted = intercept + slope * m
-    ss_res = float(np.sum((t - fitted) ** 2))
-    ss_tot = float(np.sum((t - t.mean()) ** 2))
-    r_squared = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    return LineFit(float(intercept), float(slope), r_squared,
-                   float(np.max(np.abs(t - fitted) / t)))
 
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """The cost model's parameters, with how well they fit and what they were fitted on.
-
-    ``alpha_s``: seconds per message; ``beta_s_per_byte``: seconds per byte on one link;
-    ``gamma_s_per_byte``: seconds per byte to add a received chunk into a local one (0 leaves
-    the reduction out). ``points`` are the point-to-point times the alpha-beta line was
-    fitted to (measured with ``pattern``), ``reduce_points`` the add times gamma was fitted
-    to, each summarised by ``statistic`` (min or median over iterations). ``world_size``
-    is how many ranks were running during the fit and ``cores`` how many CPU cores they had:
-    predictions for more ranks than cores leave the waiting for a core out.
-    """
+    """The cost model's parameters: ``alpha_s`` seconds per message, ``beta_s_per_byte``
+    seconds per byte on one link, ``gamma_s_per_byte`` seconds per byte to add a received
+    chunk into a local one (0 leaves the reduction out). Fitted ones are a
+    :class:`labs.experiments.cost_fit.FittedAlphaBeta`, which keeps what they were fitted on."""
 
     alpha_s: float
     beta_s_per_byte: float
     gamma_s_per_byte: float = 0.0
-    fit: LineFit | None = None
-    gamma_fit: LineFit | None = None
-    points: tuple[PointTiming, ...] = ()
-    reduce_points: tuple[PointTiming, ...] = ()
-    statistic: Statistic = Statistic.MIN
-    pattern: P2PPattern = P2PPattern.EXCHANGE
-    world_size: int = 2
-    cores: int = 0
-    backend: str = "gloo"
 
     def __post_init__(self) -> None:
         for name in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"):
@@ -149,113 +66,11 @@ class AlphaBeta:
         """1 / beta in GB/s (1e9 bytes)."""
         return math.inf if self.beta_s_per_byte == 0 else 1e-9 / self.beta_s_per_byte
 
-    @property
-    def r_squared(self) -> float:
-        """R^2 of the alpha-beta line (nan when it was not fitted to measurements)."""
-        return math.nan if self.fit is None else self.fit.r_squared
-
-    @property
-    def max_relative_residual(self) -> float:
-        """Worst |measured - fitted| / measured over the message points (nan if not fitted)."""
-        return math.nan if self.fit is None else self.fit.max_relative_residual
-
-    def oversubscribed(self, world_size: int) -> bool:
-        """True when ``world_size`` ranks would outnumber the cores the fit ran on."""
-        return self.cores > 0 and world_size > self.cores
-
     def summary(self) -> str:
-        """One line: the parameters and the fit quality."""
-        text = (f"alpha = {self.alpha_s * 1e6:.1f} us, beta = {self.beta_s_per_byte * 1e9:.3f} "
+        """One line: the parameters."""
+        return (f"alpha = {self.alpha_s * 1e6:.1f} us, beta = {self.beta_s_per_byte * 1e9:.3f} "
                 f"ns/B ({self.bandwidth_gbps:.2f} GB/s), gamma = "
                 f"{self.gamma_s_per_byte * 1e9:.3f} ns/B")
-        if self.fit is not None:
-            text += (f"; fit: R^2 = {self.fit.r_squared:.4f}, worst relative residual "
-                     f"{self.fit.max_relative_residual:.0%} over {len(self.points)} sizes")
-        return text
-
-
-def _cost_points(
-    rank: int, world_size: int, sizes: Sequence[int], reduce_sizes: Sequence[int], iters: int,
-    pattern: P2PPattern,
-) -> tuple[list[PointTiming], list[PointTiming]]:
-    """The fit's worker: message times, then (if asked) every rank timing torch.add."""
-    p2p = time_p2p(rank, world_size, sizes, iters=iters, pattern=pattern)
-    adds = time_reduction(rank, world_size, reduce_sizes, iters=iters) if reduce_sizes else []
-    return p2p, adds
-
-
-def alpha_beta_from_points(
-    points: Sequence[PointTiming], reduce_points: Sequence[PointTiming] = (), *,
-    statistic: Statistic = Statistic.MIN, pattern: P2PPattern = P2PPattern.EXCHANGE,
-    world_size: int = 2, cores: int = 0, backend: str = "gloo",
-) -> AlphaBeta:
-    """Fit alpha and beta to message points and gamma (the slope only: the add's fixed
-    per-call cost is small next to alpha and is left out) to reduction points.
-
-    ``statistic`` summarises each size's iterations. The minimum is the default: on a
-    machine shared with other work a message's median includes waiting for a core to wake
-    the receiver (milliseconds, at random), which is not a property of the link.
-    """
-    fit = fit_line([p.size_bytes for p in points], [p.summary(statistic) for p in points])
-    gamma_fit = (fit_line([p.size_bytes for p in reduce_points],
-                          [p.summary(statistic) for p in reduce_points])
-                 if reduce_points else None)
-    return AlphaBeta(
-        alpha_s=fit.intercept, beta_s_per_byte=fit.slope,
-        gamma_s_per_byte=0.0 if gamma_fit is None else gamma_fit.slope,
-        fit=fit, gamma_fit=gamma_fit, points=tuple(points), reduce_points=tuple(reduce_points),
-        statistic=statistic, pattern=pattern, world_size=world_size, cores=cores,
-        backend=backend,
-    )
-
-
-def fit_alpha_beta(
-    world_size: int = 2, sizes: Sequence[int] = DEFAULT_P2P_SIZES, iters: int = 20,
-    timeout: float = 120.0, *, reduce_sizes: Sequence[int] = DEFAULT_REDUCE_SIZES,
-    statistic: Statistic = Statistic.MIN, pattern: P2PPattern = P2PPattern.EXCHANGE,
-    backend: str = "auto", threads: int = COMM_THREADS,
-) -> AlphaBeta:
-    """Measure on ``world_size`` real ranks and fit the model (one launch).
-
-    Ranks 0 and 1 exchange messages of each size in ``sizes`` (the other ranks wait; see
-    :func:`labs.experiments.p2p_timing.time_p2p` for ``pattern``: an exchange, each rank sending
-    and receiving m bytes at once, is what one step of a ring or of recursive doubling does, and
-    ``P2PPattern.RING_STEP`` has all ranks do it at once, the load of an N-rank collective);
-    then every rank times ``torch.add`` on each of ``reduce_sizes`` (pass ``()`` to leave
-    gamma at 0).
-    Each size is summarised by ``statistic`` (see :func:`alpha_beta_from_points`), and
-    :func:`fit_line` says how the line is fitted and what its quality numbers mean.
-    ``threads`` is each rank's intra-op threads, as when collectives are timed
-    (:data:`labs.experiments.timing.COMM_THREADS`), so that gamma is the additions' cost there.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2 (a message needs two ranks), got "
-                         f"{world_size!r}.")
-    for name, values, least in (("sizes", sizes, 2), ("reduce_sizes", reduce_sizes, 0)):
-        found = list(values)
-        if len(set(found)) < least or any(isinstance(s, bool) or not isinstance(s, int)
-                                          or s < 4 or s % 4 for s in found):
-            raise ValueError(f"{name} must hold {'at least two different ' if least else ''}"
-                             f"byte counts, each a multiple of 4 (float32), got {values!r}.")
-        if least == 0 and len(found) == 1:
-            raise ValueError("reduce_sizes needs two sizes or more to fit gamma, or () for none.")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be an int >= 1, got {iters!r}.")
-    results = launch(_cost_points, world_size,
-                     args=(tuple(sizes), tuple(reduce_sizes), iters, pattern),
-                     backend=backend, timeout=timeout, echo=False, threads=threads)
-    p2p, adds = results[0]
-    return alpha_beta_from_points(p2p, adds, statistic=statistic, pattern=pattern,
-                                  world_size=world_size, cores=cpu_cores(),
-                                  backend=results.backend.value)
-
-
-def _approx_size(size: float) -> str:
-    """A size to two or three significant figures in binary units: ``"~37 KiB"``."""
-    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= unit:
-            return f"~{size / unit:.3g} {suffix}"
-    return f"~{size:.3g} B"
 
 
 # --- the closed forms --------------------------------------------------------------------------
@@ -482,98 +297,6 @@ def crossover_on_link(
                     high = middle
             return math.sqrt(low * high)
     return None
-
-
-def measured_over_predicted(
-    timing: CollectiveTiming, params: AlphaBeta, statistic: Statistic | None = None,
-) -> float | None:
-    """How far a measurement is from the model: measured / predicted seconds (None for torch's
-    built-in, which has no closed form). The measurement is summarised with ``statistic``,
-    by default the one the model was fitted with (``params.statistic``)."""
-    case = timing.case
-    if case.algorithm is Algorithm.TORCH:
-        return None
-    predicted = predict(case.algorithm, case.size_bytes, timing.world_size, params,
-                        collective=case.collective)
-    measured = timing.summary(params.statistic if statistic is None else statistic)
-    return measured / predicted if predicted > 0 else None
-
-
-def plot_cost_model(
-    timings: Sequence[CollectiveTiming], params: AlphaBeta, world_size: int,
-    *, collective: Collective = Collective.ALL_REDUCE, statistic: Statistic | None = None,
-) -> Figure:
-    """Left: predicted time (lines) and measured time (markers) against S, log-log, for each
-    algorithm measured at ``world_size``, with the ring / recursive doubling crossover marked.
-    Right: measured / predicted (1 = the model is exact), which shows where it is wrong.
-    Measurements are summarised with ``statistic`` (default: the one of the fit)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    stat = params.statistic if statistic is None else statistic
-    chosen = [t for t in timings
-              if t.world_size == world_size and t.case.collective is collective]
-    if not chosen:
-        raise ValueError(f"no {collective.value} timings at world size {world_size} to plot; "
-                         f"measure some with labs.experiments.timing.measure_collectives first.")
-    sizes = sorted({t.case.size_bytes for t in chosen})
-    algorithms = [a for a in collective.algorithms() if any(t.case.algorithm is a for t in chosen)]
-    cross = None
-    if {Algorithm.RING, Algorithm.RECURSIVE_DOUBLING} <= set(algorithms):
-        cross = crossover_bytes(Algorithm.RING, Algorithm.RECURSIVE_DOUBLING, world_size, params,
-                                collective=collective)
-    low, high = max(1.0, sizes[0] / 2), sizes[-1] * 2.0
-    if cross is not None:  # show the crossover even a little outside the measured sizes
-        low, high = min(low, cross / 2), max(high, cross * 2)
-    grid = np.geomspace(low, high, 200)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, algorithm in enumerate(algorithms):
-        colour = colours[i % len(colours)]
-        for label in dict.fromkeys(t.case.label for t in chosen if t.case.algorithm is algorithm):
-            points = sorted((t for t in chosen if t.case.label == label),
-                            key=lambda t: t.case.size_bytes)
-            x = [t.case.size_bytes for t in points]
-            marker = "o" if label == algorithm.value else "^"
-            left.plot(x, [t.summary(stat) for t in points], marker, color=colour,
-                      label=f"{label} (measured)")
-            if algorithm is not Algorithm.TORCH:
-                ratios = [measured_over_predicted(t, params, stat) for t in points]
-                right.plot(x, ratios, marker + "-", color=colour, label=label)
-        if algorithm is not Algorithm.TORCH:
-            predicted = [predict(algorithm, s, world_size, params, collective=collective)
-                         for s in grid]
-            left.plot(grid, predicted, "-", color=colour, alpha=0.7,
-                      label=f"{algorithm.value} (model)")
-    if cross is not None:
-        # Named in the legend, not written beside the line: there it would cross the markers.
-        left.axvline(cross, color="gray", ls="--", lw=1,
-                     label=f"model: ring = rec. doubling at {_approx_size(cross)}")
-    ticks = [s for s in sizes if low <= s <= high]
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(ticks, [format_size(s) for s in ticks])
-        ax.set_xlim(low, high)
-        ax.grid(True, which="major", alpha=0.3)
-    left.set(xlabel="size S", ylabel=f"seconds per call ({stat.value} of the iterations)",
-             title=f"{collective.value}, N = {world_size}: model (lines), measured (markers)")
-    right.axhline(1.0, color="black", lw=0.8)
-    ratios = [y for line in right.get_lines()[1:] for y in line.get_ydata() if y and y > 0]
-    if ratios:  # a symmetric range around 1, so "2x too slow" and "2x too fast" look alike
-        spread = max(2.0, *(max(r, 1 / r) for r in ratios)) * 1.3
-        right.set_ylim(1 / spread, spread)
-    right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    right.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
-    right.yaxis.set_minor_formatter(NullFormatter())
-    title = "measured / predicted (1x: the model is exact)"
-    if params.oversubscribed(world_size):
-        title += f"\n{world_size} ranks on {params.cores} cores: waiting for a core is not modelled"
-    right.set(xlabel="size S", ylabel="measured / predicted", title=title)
-    right.legend(fontsize="x-small", loc="best")
-    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncol=5,
-               fontsize="x-small")
-    return fig
 
 
 # --- on a topology: nodes joined by a slower link (chapter 8) ----------------------------------

@@ -559,8 +559,3 @@ class DDP(_SyncMixin, nn.Module):
                              device=self.buckets[0].buffer.device)
         dist.all_reduce(flags, group=self.process_group)
         return [bool(f) for f in flags.tolist()]
-
-    def new_timeline(self) -> StepTimeline:
-        """Start recording a fresh timeline (returned; also kept as ``self.timeline``)."""
-        self.timeline = StepTimeline()
-        return self.timeline

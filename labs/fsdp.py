@@ -27,10 +27,17 @@ shared by two units (tied weights) belongs to the root unit.
 By default the collectives are torch.distributed's, started asynchronously: the next unit's
 all-gather is prefetched while this one computes, and a unit's reduce-scatter travels while
 the next one computes its gradient (on gloo, which has no reduce-scatter, it is an all-to-all
-and a local sum: :func:`_reduce_scatter_from`). With ``collectives=Algorithm.RING`` they are
-chapter 3's and 4's ring (:mod:`labs.collectives`, point-to-point messages, one at a time), so
-a :class:`~labs.collectives.Recorder` counts every byte. Names follow PyTorch FSDP:
-``unshard``/``reshard``, ``ShardedState``, ``finish_gradient_synchronization``.
+and a local sum: :func:`labs.fsdp_collectives.reduce_scatter_from`). With
+``collectives=Algorithm.RING`` they are chapter 3's and 4's ring (:mod:`labs.collectives`,
+point-to-point messages, one at a time), so a :class:`~labs.collectives.Recorder` counts every
+byte. Names follow PyTorch FSDP: ``unshard``/``reshard``, ``ShardedState``,
+``finish_gradient_synchronization``.
+
+This module holds the algorithm (:class:`FSDP`: when a unit is gathered, freed and
+reduce-scattered); the unit it moves between those states, its ``ShardedState`` and the
+``Event`` s an observer is told are in :mod:`labs.fsdp_unit`, the asynchronous torch
+collectives in :mod:`labs.fsdp_collectives` (as torch's ``_fully_shard`` splits param group,
+collectives and state).
 
 **HSDP** (hybrid sharding, ``FSDP(module, shard_size=g)``; PyTorch's
 ``ShardingStrategy.HYBRID_SHARD``, or ``fully_shard`` on a 2-D ``("replicate", "shard")``
@@ -49,15 +56,14 @@ by N: the mean over every rank, as in FSDP. Traffic per rank and step, S bytes o
 Memory: 1/g of the parameters, the gradients and the optimizer state (plus the padding to a
 multiple of g), where FSDP holds 1/N. ``shard_size=None`` (or N) is FSDP; ``shard_size=1``
 replicates everything, like DDP (no all-gather, the gradient all-reduced across all N).
+The two kinds of group are the dimensions of the grid :func:`labs.grid.hybrid_layout`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,138 +78,19 @@ from labs.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from labs.fsdp_collectives import all_gather_into, reduce_scatter_from
+from labs.fsdp_unit import (
+    Event,
+    FlatUnit,
+    Place,
+    ShardedState,
+    checked_units,
+    default_units,
+    point_at_placeholders,
+    tensors_in,
+)
+from labs.grid import hybrid_groups
 from labs.zero import shard_numel
-
-
-class ShardedState(enum.Enum):
-    """Whether a unit's full parameters exist right now."""
-
-    SHARDED = "sharded"
-    """Only this rank's shard is held; the full vector's storage is empty."""
-    GATHERING = "gathering"
-    """A prefetch: the all-gather into the full vector is in flight (torch collectives)."""
-    UNSHARDED = "unsharded"
-    """The full vector is gathered and the unit's parameters are views of it."""
-
-
-class Event(enum.Enum):
-    """What an :class:`FSDP` observer is told, with the unit's name."""
-
-    UNSHARD_FORWARD = "all-gather for forward"
-    """The unit's full vector has been gathered and its forward is about to run."""
-    PREFETCH = "prefetch all-gather"
-    """The unit's all-gather has been started, before the unit that runs just ahead of it
-    computes, and is in flight (torch collectives, from the second step on: the order of the
-    previous step tells which unit comes next). Its storage is allocated from now on."""
-    RESHARD_FORWARD = "free after forward"
-    """The unit's forward is done and its gathered vector has been freed."""
-    UNSHARD_BACKWARD = "all-gather for backward"
-    """The unit's full vector has been gathered again for its backward."""
-    KEEP_GRADIENT = "keep unsharded gradient"
-    """Inside :meth:`FSDP.no_sync`: the unit's full gradient is complete and is kept whole
-    (added to what earlier micro-batches left), not reduce-scattered."""
-    REDUCE_SCATTER = "reduce-scatter gradient"
-    """The unit's full gradient is complete and its reduce-scatter is about to start."""
-    RESHARD_BACKWARD = "free after backward"
-    """The unit's gathered vector is freed again: of its parameters only the shard remains
-    (with torch collectives, its gradient's reduce-scatter may still be in flight)."""
-
-
-@dataclass
-class _Place:
-    """Where a parameter lives in the module tree: ``module.<attr>``."""
-
-    module: nn.Module
-    attr: str
-
-
-@dataclass
-class _Reduction:
-    """An in-flight reduce-scatter of a unit's full gradient (torch collectives)."""
-
-    work: Any
-    """The ``dist.Work`` to wait for."""
-    full_grad: torch.Tensor
-    """The input: it must live until the work is done."""
-    received: torch.Tensor
-    """The output shard, or (all-to-all) the N pieces of this rank's shard, one per rank."""
-    pieces: int
-    """How many pieces ``received`` holds (1: the shard itself)."""
-
-    def land(self) -> torch.Tensor:
-        """Wait; return this rank's shard of the sum over ranks.
-
-        The full gradient (and the all-to-all's N pieces) are freed here, not left to
-        reference counting: a backend may hold a finished work's tensors a little longer
-        (gloo's worker thread lets go of them a moment after ``wait()`` returns, a quarter of
-        the time on 2 cores), and an S-sized gradient would stay allocated, and measured,
-        into the optimizer step. On a GPU ``wait()`` has ordered this stream after the
-        collective, so the memory is not reused before the collective has read it."""
-        self.work.wait()
-        self.full_grad.untyped_storage().resize_(0)
-        if self.pieces == 1:
-            return self.received
-        summed = self.received.view(self.pieces, -1).sum(0)  # 1-D, shard numel
-        self.received.untyped_storage().resize_(0)
-        return summed
-
-
-@dataclass(eq=False)  # units compare by identity (the fields hold tensors)
-class FlatUnit:
-    """One unit: its parameters as one flat vector, this rank's fp32 shard, the full vector."""
-
-    name: str
-    module: nn.Module
-    names: list[list[str]]
-    """Per parameter, its names in the wrapped model (two or more when tied)."""
-    shapes: list[torch.Size]
-    places: list[list[_Place]]
-    """Per parameter, every attribute that refers to it (two or more when tied)."""
-    offsets: list[int]
-    numel: int
-    """Elements of the parameters together (without padding)."""
-    shard: nn.Parameter
-    """1-D fp32, numel = ceil(numel / N): this rank's shard of the padded flat vector."""
-    full: torch.Tensor
-    """1-D, compute dtype, numel = N * shard numel, a leaf that requires grad; its storage
-    is empty while SHARDED."""
-    state: ShardedState = ShardedState.SHARDED
-    backward_pending: bool = False
-    hooks: list[Any] = field(default_factory=list)
-    gather: Any = None
-    """The in-flight all-gather's ``dist.Work`` while GATHERING."""
-    reduce: _Reduction | None = None
-    """The in-flight reduce-scatter of the unit's gradient (torch collectives)."""
-    placeholders: list[ShardedPlaceholder] = field(default_factory=list)
-    """Per parameter, what its attributes hold while the unit is SHARDED."""
-    unsharded_grad: torch.Tensor | None = None
-    """Inside :meth:`FSDP.no_sync`: the sum of the micro-batches' full gradients so far
-    (1-D, padded numel, ``reduce_dtype`` or the compute dtype), reduce-scattered with the
-    first backward outside ``no_sync``."""
-
-    @property
-    def padded_numel(self) -> int:
-        return self.full.numel()
-
-    def views(self) -> Iterator[tuple[list[_Place], torch.Tensor]]:
-        """Each parameter's view of the full vector. One split, not a slice per parameter:
-        in backward a split's gradient is one concatenation of the pieces' gradients, where
-        each slice would zero a full-sized tensor, copy its piece in, and the zeros be summed."""
-        sizes = [shape.numel() for shape in self.shapes]
-        pieces = self.full.split([*sizes, self.padded_numel - self.numel])
-        # zip stops before the last piece: the padding, which no parameter views
-        for places, shape, piece in zip(self.places, self.shapes, pieces, strict=False):
-            yield places, piece.view(shape)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -214,84 +101,6 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_cast_floats(v, dtype) for v in value)
     return value
-
-
-class ShardedPlaceholder(torch.Tensor):
-    """What a unit's parameter attribute holds while the unit is sharded: the parameter's
-    shape and dtype (on the meta device, no data) and an error, naming the parameter and its
-    unit, for every operation on it: its values exist only as N shards until the unit's
-    forward gathers them. (A plain meta tensor would not do: an operator given a CPU tensor
-    and a meta tensor may return uninitialised memory instead of failing; a view of the
-    freed storage would crash the process.)"""
-
-    # Skip the __torch_function__ layer: every operation goes to __torch_dispatch__, which
-    # refuses it; shape, dtype and device are read from the wrapper without an operation.
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    param_name: str
-    unit_name: str
-
-    @staticmethod
-    def __new__(cls: type[ShardedPlaceholder], shape: torch.Size, dtype: torch.dtype,
-                param_name: str,
-                unit_name: str) -> ShardedPlaceholder:
-        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype,
-                                                          device="meta")
-        placeholder.param_name, placeholder.unit_name = param_name, unit_name
-        return placeholder
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict | None = None) -> Any:
-        found = next(t for t in _tensors([*args, *(kwargs or {}).values()])
-                     if isinstance(t, ShardedPlaceholder))
-        raise RuntimeError(
-            f"FSDP: {func.__name__.split('.')[0]} read {found.param_name}, which belongs to "
-            f"unit {found.unit_name!r} and is sharded now: its values are gathered only while "
-            f"that unit's forward runs (and for its backward). Use a parameter only inside "
-            "the forward of the unit that holds it (not as layer.weight from another "
-            "module), or leave that module out of `units` so that its parameters go to the "
-            "root unit, gathered for the whole forward; between steps, read the parameters "
-            "with gather_full_params().")
-
-    def __repr__(self) -> str:  # printing must not run an operation
-        return (f"ShardedPlaceholder({self.param_name}, shape={tuple(self.shape)}, "
-                f"dtype={self.dtype}, unit={self.unit_name!r})")
-
-
-def _point_at_placeholders(unit: FlatUnit) -> None:
-    if not unit.placeholders:  # made once: a unit is resharded twice a step
-        unit.placeholders = [ShardedPlaceholder(shape, unit.full.dtype, names[0], unit.name)
-                             for shape, names in zip(unit.shapes, unit.names, strict=True)]
-    for places, placeholder in zip(unit.places, unit.placeholders, strict=True):
-        for place in places:
-            setattr(place.module, place.attr, placeholder)
-
-
-def _all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
-                     ) -> Any:
-    """torch.distributed's all-gather of equal shards into ``out``, asynchronously."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, shard, group=group, async_op=True)
-
-
-def _reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
-                         group: dist.ProcessGroup | None) -> _Reduction:
-    """Start a reduce-scatter (SUM) of ``full_grad`` (1-D, N x shard), asynchronously.
-
-    gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on gloo is an
-    all-reduce of the whole tensor followed by a copy, twice the bytes of a reduce-scatter.
-    On gloo this sends piece j of the gradient to rank j with one all-to-all and sums the N
-    pieces that arrive, the direct algorithm: (N-1)/N x S sent per rank, as in the ring, in
-    the background, at the cost of an S-sized receive buffer while it is in flight."""
-    shard_numel = full_grad.numel() // world_size
-    if world_size > 1 and dist.get_backend(group) == "gloo":
-        received = torch.empty_like(full_grad)
-        work = dist.all_to_all_single(received, full_grad, group=group, async_op=True)
-        return _Reduction(work, full_grad, received, world_size)
-    out = torch.empty(shard_numel, dtype=full_grad.dtype, device=full_grad.device)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
 
 
 def check_shard_size(shard_size: int | None, world_size: int) -> int:
@@ -308,106 +117,6 @@ def check_shard_size(shard_size: int | None, world_size: int) -> int:
             f"{', '.join(map(str, divisors))} (e.g. the number of GPUs per node), or None to "
             f"shard over all {world_size} rank(s).")
     return shard_size
-
-
-def hybrid_layout(world_size: int, shard_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(shard groups, replicate groups) of HSDP, as lists of ranks (0 .. N-1 of the process
-    group): shard group i is the g consecutive ranks ``[i*g, (i+1)*g)``; replicate group j
-    the n = N/g ranks at position j of their shard group, ``[j, j+g, j+2g, ...]``. Rank r is
-    in shard group ``r // g`` and replicate group ``r % g``."""
-    g = check_shard_size(shard_size, world_size)
-    shard = [list(range(i * g, (i + 1) * g)) for i in range(world_size // g)]
-    replicate = [list(range(j, world_size, g)) for j in range(g)]
-    return shard, replicate
-
-
-@dataclass(frozen=True)
-class HybridGroups:
-    """This rank's two process groups under HSDP, and the ranks (of the wrapped process
-    group) in each."""
-
-    shard: dist.ProcessGroup | None
-    """The g ranks that together hold one copy of the parameters: all-gathers and
-    reduce-scatters run here. None: the whole process group (``shard_size`` = N)."""
-    replicate: dist.ProcessGroup | None
-    """The n = N/g ranks that hold the same shard: the gradient shard's all-reduce runs here.
-    None when there is one group (``shard_size`` = N): nothing to all-reduce."""
-    shard_ranks: tuple[int, ...]
-    replicate_ranks: tuple[int, ...]
-
-
-def hybrid_groups(shard_size: int, process_group: dist.ProcessGroup | None = None
-                  ) -> HybridGroups:
-    """Create HSDP's sub-groups (:func:`hybrid_layout`) and return this rank's.
-
-    ``dist.new_group`` must be called by every rank of the default group for every new group,
-    in the same order, members or not: all shard groups first, then all replicate groups.
-    With ``shard_size`` = N nothing is created. ``process_group``, if given, must hold every
-    rank (a sub-group's outsiders would not make the calls)."""
-    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    g = check_shard_size(shard_size, world_size)
-    shard_layout, replicate_layout = hybrid_layout(world_size, g)
-    mine_shard, mine_replicate = shard_layout[rank // g], replicate_layout[rank % g]
-    if g == world_size:
-        return HybridGroups(process_group, None, tuple(mine_shard), tuple(mine_replicate))
-    if process_group is not None and world_size != dist.get_world_size():
-        raise ValueError(
-            f"shard_size={g} with a process_group of {world_size} of the "
-            f"{dist.get_world_size()} ranks: HSDP's sub-groups are made by every rank, so pass "
-            "a process group of all ranks (or none), or shard_size=None.")
-
-    def to_global(ranks: list[int]) -> list[int]:
-        return [dist.get_global_rank(process_group, r) if process_group else r for r in ranks]
-
-    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for ranks in [*shard_layout, *replicate_layout]:  # the same order on every rank
-        made[tuple(ranks)] = dist.new_group(to_global(ranks))
-    return HybridGroups(made[tuple(mine_shard)], made[tuple(mine_replicate)],
-                        tuple(mine_shard), tuple(mine_replicate))
-
-
-#: Containers that hold modules but are never called: their parent's forward calls the
-#: modules inside, so forward hooks on the container itself never fire.
-_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
-
-
-def _checked_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]:
-    """``units`` as a list, after the checks that make a wrong one a clear error."""
-    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    chosen: list[nn.Module] = []
-    for i, unit in enumerate(units):
-        if not isinstance(unit, nn.Module):
-            raise TypeError(f"units[{i}] must be an nn.Module (a submodule of the wrapped "
-                            f"model), got {type(unit).__name__}.")
-        if unit is module:
-            raise ValueError(f"units[{i}] is the wrapped module itself, which is always the "
-                             "root unit: list only its submodules.")
-        if id(unit) not in names:
-            raise ValueError(f"units[{i}] ({type(unit).__name__}) is not a submodule of the "
-                             "wrapped module: pick units from the model passed to FSDP, e.g. "
-                             "units=list(model.layers).")
-        if isinstance(unit, _NEVER_CALLED):
-            raise ValueError(
-                f"units[{i}] ({names[id(unit)]!r}) is a {type(unit).__name__}, which is never "
-                "called (its parent calls the modules inside), so it could never gather its "
-                f"parameters: list its elements instead, e.g. units=list(model.{names[id(unit)]}).")
-        if any(unit is other for other in chosen):
-            raise ValueError(f"units[{i}] ({names[id(unit)]!r}) is listed twice.")
-        chosen.append(unit)
-    return chosen
-
-
-def default_units(module: nn.Module) -> list[nn.Module]:
-    """Every direct child with trainable parameters: the layers of a Sequential, the blocks
-    of a transformer if they are its children. A ModuleList or ModuleDict child contributes
-    its elements instead (it is never called, so it could not gather for them)."""
-    units: list[nn.Module] = []
-    for child in module.children():
-        if isinstance(child, _NEVER_CALLED):
-            units += default_units(child)
-        elif any(p.requires_grad for p in child.parameters()):
-            units.append(child)
-    return units
 
 
 class FSDP(nn.Module):
@@ -447,7 +156,7 @@ class FSDP(nn.Module):
             computes (prefetch, in the order of the last step's forward and backward), and a
             unit's reduce-scatter travels while the next unit computes its gradient. (gloo
             has no reduce-scatter of its own; on gloo it is an all-to-all and a local sum,
-            see :func:`_reduce_scatter_from`.) ``Algorithm.RING``: chapters 3 and 4's ring
+            see :func:`reduce_scatter_from`.) ``Algorithm.RING``: chapters 3 and 4's ring
             for everything, one collective at a time, every byte counted by ``recorder``.
         recorder: counts the bytes this rank sends (with ``Algorithm.RING``).
         shard_size: HSDP (see the module docstring): shard inside groups of this many
@@ -511,7 +220,7 @@ class FSDP(nn.Module):
         self.observer = observer
         self.recorder = recorder
         self.replicate_recorder = recorder if replicate_recorder is None else replicate_recorder
-        chosen = _checked_units(module, units) if units is not None else default_units(module)
+        chosen = checked_units(module, units) if units is not None else default_units(module)
         with torch.no_grad():
             root = dist.get_global_rank(process_group, 0) if process_group else 0
             for tensor in [*module.parameters(), *module.buffers()]:
@@ -553,7 +262,7 @@ class FSDP(nn.Module):
         unit gathers only what its inner units do not hold). A parameter used by two units,
         or outside every chosen one, goes to the root (the wrapped module itself)."""
         owner_of: dict[int, nn.Module] = {}
-        places: dict[int, list[_Place]] = {}
+        places: dict[int, list[Place]] = {}
         all_names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         unit_of_module = {id(m): m for u in chosen for m in u.modules()}
@@ -567,7 +276,7 @@ class FSDP(nn.Module):
                     continue
                 key = id(p)
                 params[key] = p
-                places.setdefault(key, []).append(_Place(mod, attr))
+                places.setdefault(key, []).append(Place(mod, attr))
                 all_names.setdefault(key, []).append(f"{mod_name}.{attr}" if mod_name else attr)
                 owner = unit_root.get(id(mod)) if id(mod) in unit_of_module else module
                 if key in owner_of and owner_of[key] is not owner:
@@ -583,7 +292,7 @@ class FSDP(nn.Module):
         return units
 
     def _flat_unit(self, name: str, unit_module: nn.Module, keys: list[int],
-                   params: dict[int, nn.Parameter], places: dict[int, list[_Place]],
+                   params: dict[int, nn.Parameter], places: dict[int, list[Place]],
                    all_names: dict[int, list[str]]) -> FlatUnit:
         shapes = [params[k].shape for k in keys]
         offsets, total = [], 0
@@ -605,7 +314,7 @@ class FSDP(nn.Module):
                 del place.module._parameters[place.attr]  # now a plain attribute (a view)
         unit = FlatUnit(name, unit_module, [all_names[k] for k in keys], shapes,
                         [places[k] for k in keys], offsets, total, shard, full)
-        _point_at_placeholders(unit)
+        point_at_placeholders(unit)
         return unit
 
     # -- forward and backward hooks --
@@ -628,7 +337,7 @@ class FSDP(nn.Module):
                 ring_all_gather(shard, group=self.shard_group, recorder=self.recorder,
                                 out=full.data)
             else:
-                unit.gather = _all_gather_into(full.data, shard, self.shard_group)
+                unit.gather = all_gather_into(full.data, shard, self.shard_group)
             unit.state = ShardedState.GATHERING
         if unit.state is ShardedState.GATHERING and not prefetch:
             if unit.gather is not None:
@@ -648,7 +357,7 @@ class FSDP(nn.Module):
             self.unshard(unit)  # a prefetch nobody used: let it land before freeing
         if unit.state is ShardedState.UNSHARDED:
             unit.full.untyped_storage().resize_(0)
-            _point_at_placeholders(unit)
+            point_at_placeholders(unit)
             unit.state = ShardedState.SHARDED
 
     def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
@@ -678,7 +387,7 @@ class FSDP(nn.Module):
         if not torch.is_grad_enabled():
             return
         unit.backward_pending = True
-        for tensor in _tensors(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(lambda grad, u=unit: self._pre_backward(u, grad))
 
@@ -722,7 +431,7 @@ class FSDP(nn.Module):
         else:
             for other in self.units:  # one reduce-scatter in flight: bounded memory
                 self._land_reduce(other)
-            unit.reduce = _reduce_scatter_from(full_grad, self.shard_size, self.shard_group)
+            unit.reduce = reduce_scatter_from(full_grad, self.shard_size, self.shard_group)
         unit.backward_pending = False
         self.reshard(unit)
         self._notify(Event.RESHARD_BACKWARD, unit)

@@ -29,7 +29,9 @@ for 5 s, about one launch in ten here.
 What a learner sees when ranks fail or hang, :class:`RankError` and :class:`LaunchTimeout`
 with the first failing rank named and the notebook's cells named as IPython names them, is
 built in :mod:`labs.rank_errors`. The same workers run under torchrun with
-:func:`labs.torchrun.run_torchrun`.
+:func:`labs.torchrun.run_torchrun`. What ``launch`` accepts (refused before any process
+starts) and the backend it picks are in :mod:`labs.launch_inputs`; what it hands back
+(:class:`RankResults`, how a launch ended, the ranks' output) in :mod:`labs.rank_results`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-import re
 import signal
 import socket
 import sys
@@ -62,6 +63,16 @@ import torch.distributed as dist
 
 from labs import link as emulated
 from labs import plain_results
+from labs.launch_inputs import (
+    MAX_WORLD_SIZE,
+    Backend,
+    check_inputs,
+    check_rank_args,
+    choose_backend,
+    cpu_cores,
+    pick_backend,
+    threads_per_rank,
+)
 from labs.link import Link, Topology
 from labs.rank_errors import (
     LaunchTimeout,
@@ -73,6 +84,16 @@ from labs.rank_errors import (
     stuck_stack,
 )
 from labs.rank_pickle import pack_call, pack_result, unpack_call, unpack_result
+from labs.rank_results import (
+    GLOO_CONNECTED,
+    Done,
+    Failed,
+    RankResults,
+    TimedOut,
+    echo_output,
+    plain_failure,
+    read_output,
+)
 
 __all__ = [
     "MAX_WORLD_SIZE",
@@ -90,17 +111,10 @@ __all__ = [
     "shutdown",
 ]
 
-#: More ranks than this on one machine is almost surely a typo; use torchrun across nodes.
-MAX_WORLD_SIZE = 32
 #: How long to wait for near-simultaneous failures before naming the first one.
 _FAILURE_GRACE_S = 0.3
 #: How long a rank gets to exit after SIGTERM before SIGKILL.
 _KILL_GRACE_S = 1.0
-#: The line gloo writes to stdout each time a process group connects, in some torch releases
-#: (2.8 and 2.9; not 2.11 or 2.13). It is dropped from what a rank printed when every peer
-#: connected; a line whose two counts differ is kept, since it reports a connection that failed.
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                             r"Expected number of connected peer ranks is : \1\n?", re.MULTILINE)
 #: Modules the forkserver imports once, so that forked ranks start with torch loaded.
 #: torch._dynamo: building the first torch.optim optimizer imports it (torch.optim wraps its
 #: methods with dynamo's "disable"), about 1.3 s per rank per launch on 2 cores; preloaded, a
@@ -110,38 +124,11 @@ _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ran
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labs.launcher"]
 
 
-class Backend(enum.Enum):
-    """A torch.distributed backend the launcher can start."""
-
-    GLOO = "gloo"  #: CPU tensors; works everywhere.
-    NCCL = "nccl"  #: CUDA tensors, one GPU per rank.
-
-
 class StartMethod(enum.Enum):
     """How rank processes are created (see the module docstring for why)."""
 
     FORKSERVER = "forkserver"  #: Fork from a helper that preloaded torch (the default).
     SPAWN = "spawn"  #: A fresh interpreter per rank; slower, kept for comparison.
-
-
-class RankResults(list):
-    """The per-rank return values in rank order (a plain list), plus what each rank printed.
-
-    Attributes:
-        stdout, stderr: captured text per rank (index = rank).
-        backend: the backend the ranks used.
-        seconds: wall time of the launch.
-        written: with ``count_writes``, the bytes each rank wrote by its own system calls
-            (``wchar`` of ``/proc/PID/io``, counted by the kernel) up to the moment every
-            rank had reported, less what it wrote to its output and its report: its messages
-            (gloo writes each one), and any file it wrote. None otherwise.
-    """
-
-    stdout: list[str]
-    stderr: list[str]
-    backend: Backend
-    seconds: float
-    written: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -222,7 +209,7 @@ def launch(
     """
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(_MAIN_GUARD)
-    chosen = _check_inputs(fn, world_size, args, backend, timeout)
+    chosen = check_inputs(fn, world_size, args, backend, timeout)
     if isinstance(failure_grace, bool) or not isinstance(failure_grace, (int, float)) \
             or not 0 <= failure_grace < math.inf:
         raise ValueError(f"failure_grace must be a number of seconds >= 0, got "
@@ -240,7 +227,7 @@ def launch(
         raise ValueError("the emulated link runs on gloo (ranks on one machine, one clock): "
                          "pass backend='gloo' with link=.")
     if rank_args is not None:
-        _check_rank_args(rank_args, world_size)
+        check_rank_args(rank_args, world_size)
     if count_writes and result_types is None:
         raise ValueError("count_writes needs result_types: the bytes of a plain report are "
                          "known, and taken off what the rank wrote.")
@@ -254,7 +241,7 @@ def launch(
         specs = [
             _RankSpec(
                 rank=rank, world_size=world_size, backend=chosen,
-                threads=threads or _threads_per_rank(world_size), timeout_s=timeout,
+                threads=threads or threads_per_rank(world_size), timeout_s=timeout,
                 store_path=str(Path(tmp) / "store"),
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),
@@ -264,7 +251,7 @@ def launch(
             for rank in range(world_size)
         ]
         ranks: list[_Rank] = []
-        outcome: _Done | _Failed | _Timeout | None = None
+        outcome: Done | Failed | TimedOut | None = None
         try:
             for spec, payload in zip(specs, payloads, strict=True):
                 ranks.append(_Rank.start(ctx, payload, spec))
@@ -275,15 +262,15 @@ def launch(
                                  count_writes=count_writes)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
             _stop(ranks, outcome)
-        stdout = [_GLOO_CONNECTED.sub("", _read(spec.stdout_path)) for spec in specs]
-        stderr = [_read(spec.stderr_path) for spec in specs]
-        stacks = {r: stuck_stack(_read(specs[r].stack_path)) for r in range(world_size)}
+        stdout = [GLOO_CONNECTED.sub("", read_output(spec.stdout_path)) for spec in specs]
+        stderr = [read_output(spec.stderr_path) for spec in specs]
+        stacks = {r: stuck_stack(read_output(specs[r].stack_path)) for r in range(world_size)}
     if echo:
-        _echo(stdout, stderr)
-    if isinstance(outcome, _Timeout):
+        echo_output(stdout, stderr)
+    if isinstance(outcome, TimedOut):
         found = {r: name_cells(stacks[r]) for r in outcome.ranks if stacks[r]}
         raise LaunchTimeout(outcome.ranks, timeout, found)
-    if isinstance(outcome, _Failed):
+    if isinstance(outcome, Failed):
         raise first_failure([dataclasses.replace(f, traceback=name_cells(f.traceback))
                               for f in outcome.failures])
     results = RankResults(outcome.values[r] if result_types is not None
@@ -315,97 +302,6 @@ def shutdown() -> None:
     multiprocessing.forkserver._forkserver._stop()
     # The forkserver's companion, started with it; also idle, also restarted on demand.
     multiprocessing.resource_tracker._resource_tracker._stop()
-
-
-# --- input checks: everything is refused before any process starts ---------------------------
-
-
-def _check_inputs(
-    fn: object, world_size: object, args: object, backend: object, timeout: object
-) -> Backend:
-    if not callable(fn):
-        raise TypeError(
-            f"fn must be a function, got {type(fn).__name__}. Pass the function itself, "
-            "e.g. launch(my_fn, world_size=4), not launch(my_fn(), ...)."
-        )
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(
-            f"world_size must be a positive int, got {world_size!r} "
-            f"({type(world_size).__name__}); e.g. world_size=4."
-        )
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}.")
-    if world_size > MAX_WORLD_SIZE:
-        raise ValueError(
-            f"world_size={world_size} is more than {MAX_WORLD_SIZE} ranks on one machine. "
-            "Use a smaller world_size here, or run the lab under torchrun across several nodes."
-        )
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise TypeError(
-            f"args must be a tuple (or list) of extra arguments, got {type(args).__name__}; "
-            "for one argument write args=(value,)."
-        )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
-    if not math.isfinite(timeout):
-        raise ValueError("timeout must be finite: a hung rank would otherwise hang the notebook.")
-    if not dist.is_available():
-        raise RuntimeError("this torch build has no torch.distributed; install a build with it.")
-    return choose_backend(backend, world_size)
-
-
-def _check_rank_args(rank_args: object, world_size: int) -> None:
-    if isinstance(rank_args, (str, bytes)) or not isinstance(rank_args, Sequence) or any(
-            isinstance(a, (str, bytes)) or not isinstance(a, Sequence) for a in rank_args):
-        raise TypeError("rank_args must be a sequence of one tuple per rank, e.g. "
-                        "rank_args=[(x0,), (x1,)] for two ranks.")
-    if len(rank_args) != world_size:
-        raise ValueError(f"rank_args holds {len(rank_args)} tuple(s) for {world_size} rank(s): "
-                         "give one per rank.")
-
-
-def choose_backend(backend: object, world_size: int, *, ranks: str = "world_size") -> Backend:
-    """The backend for ``world_size`` ranks on this machine, from the GPUs it has (``ranks``
-    names that number in the error message): :func:`pick_backend` decides."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return pick_backend(backend, world_size, gpus, dist.is_nccl_available(), ranks=ranks)
-
-
-def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bool, *,
-                 ranks: str = "world_size") -> Backend:
-    """``"auto"`` is nccl when each of the ``ranks_here`` processes on this machine can have a
-    GPU of its own, gloo otherwise; ``"nccl"`` without one GPU per process is an error.
-
-    The answer depends only on numbers every process of a machine shares, so all of them
-    pick the same backend: a process group whose ranks disagree waits forever."""
-    names = {"auto", *(b.value for b in Backend)}
-    if isinstance(backend, Backend):
-        backend = backend.value
-    if backend not in names:
-        raise ValueError(f"backend must be one of {sorted(names)}, got {backend!r}.")
-    if backend == "auto":
-        return Backend.NCCL if gpus >= ranks_here and nccl_available else Backend.GLOO
-    if backend == Backend.NCCL.value:
-        if gpus < ranks_here:
-            raise ValueError(
-                f"NCCL needs one GPU per rank; use backend='gloo' "
-                f"({ranks}={ranks_here}, GPUs visible: {gpus})."
-            )
-        if not nccl_available:
-            raise ValueError("this torch build has no NCCL; use backend='gloo'.")
-    return Backend(backend)
-
-
-def cpu_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _threads_per_rank(world_size: int) -> int:
-    # N ranks with the default thread count each would oversubscribe the cores many times over.
-    return max(1, cpu_cores() // world_size)
 
 
 # --- the rank side --------------------------------------------------------------------------
@@ -526,25 +422,9 @@ class _Rank:
         return cls(spec, process, ours)
 
 
-@dataclass(frozen=True)
-class _Done:
-    values: dict[int, bytes]
-    written: dict[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class _Failed:
-    failures: list[RankFailure]
-
-
-@dataclass(frozen=True)
-class _Timeout:
-    ranks: list[int]
-
-
 def _supervise(ranks: list[_Rank], deadline: float, grace: float,
                result_types: Sequence[type] | None = None, count_writes: bool = False
-               ) -> _Done | _Failed | _Timeout:
+               ) -> Done | Failed | TimedOut:
     """Wait for every rank's report; stop ``grace`` seconds after the first failure (or
     once every rank has reported), or at the deadline. With ``count_writes``, read what each
     rank wrote once all have reported and before any is released (:func:`_written`)."""
@@ -571,13 +451,13 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float,
             # Give peers a moment to report, so the failure that came first can be named.
             give_up_at = min(deadline, time.monotonic() + grace)
     if failures:
-        return _Failed(failures)
+        return Failed(failures)
     if pending:
-        return _Timeout(sorted(pending))
+        return TimedOut(sorted(pending))
     written = {r.spec.rank: _written(r) for r in ranks} if count_writes else None
     for r in ranks:
         r.conn.send("release")
-    return _Done(values, written)
+    return Done(values, written)
 
 
 def _written(r: _Rank) -> int:
@@ -610,23 +490,13 @@ def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str,
         if kind == "ok":
             return "ok", body
         if kind == "error" and isinstance(body, dict):
-            return "error", _plain_failure(r.spec.rank, body)
+            return "error", plain_failure(r.spec.rank, body)
         raise plain_results.NotPlain(f"a report of kind {kind!r}")
     except (plain_results.NotPlain, TypeError, ValueError) as err:
         return "error", RankFailure(
             rank=r.spec.rank, exc_type="UnreadableResult",
             message=f"rank {r.spec.rank} sent a result that is not plain data: {err}",
             traceback="", when=time.time())
-
-
-def _plain_failure(rank: int, fields: dict[Any, Any]) -> RankFailure:
-    """The RankFailure a plain report describes, its fields checked (strings, a time)."""
-    texts = {k: fields.get(k) for k in ("exc_type", "message", "traceback")}
-    if not all(isinstance(v, str) for v in texts.values()) or not isinstance(
-            fields.get("when"), (int, float)):
-        raise plain_results.NotPlain("a failure whose fields are not strings and a time")
-    return RankFailure(rank=rank, exc_type=texts["exc_type"], message=texts["message"],
-                       traceback=texts["traceback"], when=float(fields["when"]))
 
 
 #: A rank process imports the main script before it runs anything (forkserver and spawn do),
@@ -645,7 +515,7 @@ def _died(r: _Rank) -> RankFailure:
     if code == 1 and getattr(sys.modules.get("__main__"), "__file__", None):
         hint = (" If the script calls launch() at module level, put the call under "
                 "`if __name__ == \"__main__\":` (every rank imports the main script first).")
-    last = last_words(_read(r.spec.stderr_path))
+    last = last_words(read_output(r.spec.stderr_path))
     said = f"\nWhat it wrote last (stderr):\n{last}" if last else ""
     return RankFailure(
         rank=r.spec.rank, exc_type="RankDied",
@@ -656,14 +526,14 @@ def _died(r: _Rank) -> RankFailure:
     )
 
 
-def _stop(ranks: list[_Rank], outcome: _Done | _Failed | _Timeout | None) -> None:
+def _stop(ranks: list[_Rank], outcome: Done | Failed | TimedOut | None) -> None:
     """Make sure no rank outlives the launch: released ranks exit by themselves, the rest are
     killed (SIGTERM, then SIGKILL). On a timeout, hung ranks first dump their stacks."""
-    if isinstance(outcome, _Timeout):
+    if isinstance(outcome, TimedOut):
         # faulthandler in each hung rank writes its Python stack to its .stack file.
         _signal_all([r for r in ranks if r.spec.rank in outcome.ranks], signal.SIGUSR1)
         time.sleep(0.2)
-    if isinstance(outcome, _Done):
+    if isinstance(outcome, Done):
         _join_all(ranks, time.monotonic() + 5 * _KILL_GRACE_S)  # destroy_process_group, exit
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [r for r in ranks if r.process.is_alive()]
@@ -693,22 +563,3 @@ def _signal_all(ranks: list[_Rank], sig: signal.Signals) -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def _echo(stdout: list[str], stderr: list[str]) -> None:
-    """Show what each rank printed, in rank order (deterministic, unlike live interleaving)."""
-    for rank, text in enumerate(stdout):
-        for line in text.splitlines():
-            print(f"[rank {rank}] {line}", file=sys.stdout)
-    for rank, text in enumerate(stderr):
-        for line in text.splitlines():
-            print(f"[rank {rank}] {line}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,10 +51,6 @@ from torch.utils._pytree import tree_flatten
 
 from labs.collectives import Algorithm, Collective, all_gather, reduce_scatter, shard_bounds
 from labs.launcher import rank_device
-
-if TYPE_CHECKING:
-    from labs.checks.core import CheckResult
-
 
 # --- records ----------------------------------------------------------------------------------
 
@@ -530,33 +526,3 @@ def all_gather_memory(
     del gathered
     timeline.record(AllGatherMoment.FREED)
     return timeline.snapshots
-
-
-# --- checking a claim against the measurement -------------------------------------------------
-
-
-def check_held_bytes(
-    measured: Mapping[int, Sequence[Sequence[MemorySnapshot]]],
-    moment: str | enum.Enum,
-    expected: Callable[[int, int], int],
-    claim: str,
-) -> CheckResult:
-    """Compare every rank's measured ``held_bytes`` at ``moment`` with ``expected(N, rank)``.
-
-    ``measured`` maps a world size N to the per-rank snapshots of one launch. The verdict
-    names the first world size and rank where the measurement and the claim disagree.
-    """
-    from labs.checks.core import CheckResult
-
-    for world_size, per_rank in sorted(measured.items()):
-        if len(per_rank) != world_size:
-            raise ValueError(f"world size {world_size}: got snapshots of {len(per_rank)} ranks")
-        for rank, snaps in enumerate(per_rank):
-            held, want = find(snaps, moment).held_bytes, expected(world_size, rank)
-            if held != want:
-                return CheckResult(claim, False, (
-                    f"with N = {world_size}, rank {rank} held {held} bytes at "
-                    f"{find(snaps, moment).moment!r}, the claim says {want}."
-                ))
-    sizes = ", ".join(str(n) for n in sorted(measured))
-    return CheckResult(claim, True, f"measured on every rank for N = {sizes}.")

@@ -9,14 +9,44 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from labs.p2p import Phase
 
 if TYPE_CHECKING:
-    from labs.experiments.collectives import AgreementRow, TrafficRow
     from labs.p2p import RingStep
     from labs.toy_allreduce import ToyRankRecord
+
+
+# The rows chapter 2's experiments measure (labs.experiments.collectives' TrafficRow and
+# AgreementRow), described by what the tables read: the library does not import the machinery.
+class _Named(Protocol):
+    value: str
+
+
+class _Counts(Protocol):
+    messages_sent: int
+    sent: Fraction
+    received: Fraction
+    group_messages: int
+
+
+class _TrafficRow(Protocol):
+    world_size: int
+    algorithm: _Named
+    measured: _Counts
+    expected: _Counts
+
+    @property
+    def matches(self) -> bool: ...
+
+
+class _AgreementRow(Protocol):
+    world_size: int
+    algorithm: _Named
+    differing: int
+    error: float
+    from_torch: float
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -75,7 +105,7 @@ def _fraction_text(value: Fraction) -> str:
     return str(value)  # 3, 3/2, 7/4: exact, so the table is deterministic
 
 
-def traffic_table(rows: Sequence[TrafficRow]) -> str:
+def traffic_table(rows: Sequence[_TrafficRow]) -> str:
     """Measured traffic beside its closed form, per world size and algorithm: messages and
     bytes (in multiples of S) sent and received by the busiest rank (for the naive algorithm,
     the root), and messages sent by the whole group."""
@@ -93,7 +123,7 @@ def traffic_table(rows: Sequence[TrafficRow]) -> str:
     return format_table(header, body)
 
 
-def agreement_table(rows: Sequence[AgreementRow]) -> str:
+def agreement_table(rows: Sequence[_AgreementRow]) -> str:
     """Per world size and algorithm: at how many elements the ranks' bits differ, the largest
     error against the exact (float64) sum, and the largest difference from torch's result."""
     header = ["N", "algorithm", "elements where ranks differ", "max |error|",

@@ -33,7 +33,8 @@ gradient all-reduce happens once per step and overlaps the backward. So the mesh
 its innermost dimension, among the GPUs of one node joined by the fast link (NVLink), and
 data parallelism (or HSDP's replicate dimension) across nodes: for 8 GPUs in 4 nodes of 2, a
 mesh of shape (4, 2), dim names ("replicate", "shard") or, for TP, ("dp", "tp"), where the
-"tp" groups are ranks {2i, 2i+1} (:mod:`labs.experiments.mesh` builds and draws them).
+"tp" groups are ranks {2i, 2i+1} (a :class:`labs.grid.GridLayout`;
+:mod:`labs.experiments.mesh` builds and draws them).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ factory that builds each wrapper with its optimizer.
 Chapter 5 compares the wrappers that replicate the model and average the gradients
 (:data:`DDP_WRAPPERS`, plus :attr:`Wrapper.LOCAL`, the floor with no communication at all);
 chapter 6 goes down the ZeRO stages (:data:`ZERO_STAGES`), each sharding one more part of the
-training state, and sets torch's ``fully_shard`` beside the course's FSDP.
+training state, and sets torch's ``fully_shard`` beside the course's FSDP; chapter 8 shards
+inside a node and replicates across nodes (:data:`HSDP_STRATEGIES`).
 
     model, optimizer = build(Wrapper.ZERO2, net, torch.optim.Adam, lr=1e-3)
 """
@@ -44,6 +45,9 @@ class Wrapper(enum.Enum):
     """:class:`labs.zero.ShardedOptimizer`: the optimizer state and the gradients sharded."""
     FSDP = "FSDP (ZeRO-3)"
     """:class:`labs.fsdp.FSDP`: everything sharded, parameters gathered one unit at a time."""
+    HSDP = "HSDP"
+    """``FSDP(shard_size=g)`` (chapter 8): sharded inside each group of g ranks (a node),
+    replicated across the groups, the gradients' shards all-reduced between them."""
     FULLY_SHARD = "torch fully_shard (FSDP2)"
     """torch's ZeRO-3 (:mod:`labs.fsdp_torch` builds and compares it)."""
 
@@ -55,19 +59,26 @@ class Wrapper(enum.Enum):
 
 
 _STAGES = {Wrapper.NAIVE: 0, Wrapper.DDP: 0, Wrapper.TORCH_DDP: 0, Wrapper.ZERO1: 1,
-           Wrapper.ZERO2: 2, Wrapper.FSDP: 3, Wrapper.FULLY_SHARD: 3}
+           Wrapper.ZERO2: 2, Wrapper.FSDP: 3, Wrapper.HSDP: 3, Wrapper.FULLY_SHARD: 3}
 
 #: Chapter 5's wrappers: replicate the model, average the gradients.
 DDP_WRAPPERS = (Wrapper.NAIVE, Wrapper.DDP, Wrapper.TORCH_DDP)
 #: Chapter 6's stages, in order, built by the course's own code.
 ZERO_STAGES = (Wrapper.DDP, Wrapper.ZERO1, Wrapper.ZERO2, Wrapper.FSDP)
+#: Chapter 8's three ways over nodes: replicate everything, shard over all N, shard in a node.
+HSDP_STRATEGIES = (Wrapper.DDP, Wrapper.FSDP, Wrapper.HSDP)
 
 
 def wrap(wrapper: Wrapper, model: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-         observer: Callable[[enum.Enum, str], None] | None = None) -> nn.Module:
+         observer: Callable[[enum.Enum, str], None] | None = None, *,
+         shard_size: int | None = None) -> nn.Module:
     """``model`` on this rank's device, wrapped by ``wrapper``. ZeRO-1 and ZeRO-2 shard in the
     optimizer and return the model itself (see :func:`build`). ``bucket_cap_mb`` is the bucket
-    size of DDP and torch DDP; ``observer`` is told FSDP's events (:class:`labs.fsdp.Event`)."""
+    size of DDP and torch DDP; ``observer`` is told FSDP's events (:class:`labs.fsdp.Event`);
+    ``shard_size`` is HSDP's group g (it must divide the world size)."""
+    if wrapper is Wrapper.HSDP and shard_size is None:
+        raise ValueError("Wrapper.HSDP shards inside groups of shard_size ranks: pass "
+                         "shard_size=g, a divisor of the world size (e.g. the GPUs per node).")
     device = rank_device()
     model = model.to(device)
     if wrapper is Wrapper.NAIVE:
@@ -80,6 +91,8 @@ def wrap(wrapper: Wrapper, model: nn.Module, bucket_cap_mb: float = DEFAULT_BUCK
                                                    bucket_cap_mb=bucket_cap_mb)
     if wrapper is Wrapper.FSDP:
         return FSDP(model, observer=observer)
+    if wrapper is Wrapper.HSDP:
+        return FSDP(model, observer=observer, shard_size=shard_size)
     if wrapper is Wrapper.FULLY_SHARD:
         raise ValueError("Wrapper.FULLY_SHARD is torch's own ZeRO-3: labs.fsdp_torch builds it "
                          "(compare_on_ranks), after checking that this torch has it.")
@@ -89,15 +102,23 @@ def wrap(wrapper: Wrapper, model: nn.Module, bucket_cap_mb: float = DEFAULT_BUCK
 def build(wrapper: Wrapper, model: nn.Module, optimizer: type[torch.optim.Optimizer],
           *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
           observer: Callable[[enum.Enum, str], None] | None = None,
+          shard_size: int | None = None,
           **optimizer_args: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``(model, optimizer)`` for ``wrapper``: the model as :func:`wrap` returns it, and
     ``optimizer(params, **optimizer_args)`` over what this rank updates: all the parameters
-    (replicated wrappers), the flat shards (FSDP), or a :class:`labs.zero.ShardedOptimizer`
+    (replicated wrappers), the flat shards (FSDP, HSDP), or a :class:`labs.zero.ShardedOptimizer`
     around it (ZeRO-1 and ZeRO-2, which tell ``observer`` each gradient's reduce-scatter)."""
     if wrapper in (Wrapper.ZERO1, Wrapper.ZERO2):
         model = model.to(rank_device())
         stage = ZeroStage.OPTIMIZER if wrapper is Wrapper.ZERO1 else ZeroStage.GRADIENTS
         return model, ShardedOptimizer(model.named_parameters(), optimizer, stage=stage,
                                        observer=observer, **optimizer_args)
-    wrapped = wrap(wrapper, model, bucket_cap_mb, observer)
+    wrapped = wrap(wrapper, model, bucket_cap_mb, observer, shard_size=shard_size)
     return wrapped, optimizer(wrapped.parameters(), **optimizer_args)
+
+
+def synchronise(model: nn.Module) -> None:
+    """After backward: labs' wrappers average here; torch DDP already did during backward."""
+    finish = getattr(model, "finish_gradient_synchronization", None)
+    if finish is not None:
+        finish()

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from labs.checks import CheckResult
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` skip cleanly on a machine without CUDA."""
@@ -170,3 +172,18 @@ def refuse_processes(monkeypatch: pytest.MonkeyPatch
             yield
 
     return guard
+
+
+@pytest.fixture
+def assert_fails(capsys: pytest.CaptureFixture[str]) -> Callable[..., None]:
+    """``assert_fails(result, exercise, *reasons)``: ``result`` is a FAIL of ``exercise``
+    (``"6.4"``), printed, whose message holds every one of ``reasons``: what each test of an
+    exercise check's wrong answers asserts."""
+    def check(result: CheckResult, exercise: str, *reasons: str) -> None:
+        assert isinstance(result, CheckResult)
+        assert not result.passed
+        for reason in reasons:
+            assert reason in result.message, result.message
+        assert capsys.readouterr().out.startswith(f"FAIL: Exercise {exercise}")
+
+    return check

@@ -34,8 +34,8 @@ from labs.experiments.activations import (
     measure_checkpointing,
     mlp_workload,
 )
-from labs.experiments.ddp import StepSettings
 from labs.experiments.zero import LAB_SETTINGS
+from labs.models import StepSettings
 from labs.viz.activations import (
     activation_table,
     checkpointing_table,

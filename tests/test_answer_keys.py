@@ -1,14 +1,15 @@
 """Every exercise refuses the library's own solution of it, under any name, while its check runs
 the learner's code; the list of answer keys is complete, and a correct solution still passes.
 
-The table is held against the reference notebooks (every ``exercise-N.M`` tag has keys), each
-exercise's keys are refused through an alias taken before the check and through importlib, and
-given back afterwards; then the real checks, on real ranks, fail the cheats a learner would
-write (the alias import, ``importlib.import_module("labs." + "collectives")``, a subclass, a
-caught refusal) with a one-line verdict naming the key, and pass the notebooks' solutions.
+The table is a column of the exercise registry (held against the reference notebooks in
+test_check_contract.py, which also refuses each exercise's keys through an alias taken before
+the check and through importlib, gives them back afterwards, fails a check whose answer calls a
+key and passes the notebooks' solutions). Here: every key is real and refusable, the refusal's
+mechanics (threads, copies, nesting, subclasses), and the real checks, on real ranks, failing
+the cheats a learner would write (the alias import, ``importlib.import_module("labs." +
+"collectives")``, a subclass, a caught refusal) with a one-line verdict naming the key.
 """
 
-import functools
 import importlib
 import inspect
 import math  # noqa: F401  (chapter 7's setup: its solution, run into this module, uses it)
@@ -43,18 +44,18 @@ from labs.checks.answer_keys import (
     refused_function,
 )
 from labs.checks.core import answer_key_refusal
+from labs.checks.exercises import EXERCISES
 from labs.collectives import (  # noqa: F401  (chapter 8's setup: its solution is built on them)
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
 )
 from labs.ddp import NaiveDDP
-from labs.grading.handout import load_chapters
 from labs.launcher import RankError, RankFailure
 from labs.toy_allreduce import all_reduce_gradients_flat
 from labs.zero import ShardedOptimizer
 
-from solutions import NOTEBOOKS, solution
+from solutions import send_by_value, solution
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -63,27 +64,15 @@ my_ring_all_reduce = solution("02_allreduce_algorithms.ipynb", "2.1", "my_ring_a
 shard_pieces = solution("07_fsdp_in_practice.ipynb", "7.2", "shard_pieces", globals())
 hierarchical_all_reduce_ = solution("08_beyond_one_node.ipynb", "8.1", "hierarchical_all_reduce_",
                                     globals())
+send_by_value(__name__)
 
 
 # --- the table: every exercise, every key real --------------------------------------------------
 
 
-@functools.cache
-def reference_exercises() -> dict[str, tuple[str, ...]]:
-    """Exercise id -> the names its check cells take, read from the reference notebooks."""
-    return {ex.exercise: ex.submitted for chapter in load_chapters(NOTEBOOKS)
-            for ex in chapter.exercises}
-
-
-def test_every_exercise_of_the_notebooks_has_answer_keys():
-    assert set(ANSWER_KEYS) == set(reference_exercises())
+def test_every_exercise_of_the_registry_has_answer_keys():
+    assert list(ANSWER_KEYS) == list(LEARNER_FUNCTIONS) == [e.id for e in EXERCISES]
     assert all(ANSWER_KEYS.values())
-
-
-def test_the_table_names_the_function_each_check_cell_takes():
-    assert set(LEARNER_FUNCTIONS) == set(ANSWER_KEYS)
-    for exercise, submitted in reference_exercises().items():
-        assert LEARNER_FUNCTIONS[exercise] in submitted, (exercise, submitted)
 
 
 def test_the_table_is_frozen():
@@ -104,7 +93,7 @@ def test_every_key_is_a_labs_object_whose_code_can_be_refused(key):
     assert function.__module__.startswith("labs."), key
 
 
-@pytest.mark.parametrize("exercise", sorted(ANSWER_KEYS))
+@pytest.mark.parametrize("exercise", [e.id for e in EXERCISES])
 def test_no_two_keys_of_an_exercise_are_one_function(exercise):
     functions = [refused_function(key) for key in ANSWER_KEYS[exercise]]
     assert len({id(f) for f in functions}) == len(functions)
@@ -127,33 +116,7 @@ def test_an_unknown_exercise_is_refused():
             pass
 
 
-# --- refusing them, one exercise at a time ------------------------------------------------------
-
-
-def fresh(key: str) -> object:
-    """``key`` looked up again through importlib, as a learner's ``import_module`` would (every
-    key is ``labs.<module>.<name>[.<method>]``)."""
-    parts = key.split(".")
-    return functools.reduce(getattr, parts[2:], importlib.import_module(".".join(parts[:2])))
-
-
-@pytest.mark.parametrize("exercise", sorted(ANSWER_KEYS))
-def test_each_answer_key_is_refused_under_any_name_and_given_back(exercise):
-    keys = ANSWER_KEYS[exercise]
-    aliases = {key: answer_key(key) for key in keys}  # references kept from before
-    codes = {key: refused_function(key).__code__ for key in keys}
-    with pytest.raises(AnswerKeyUsed) as sticky:
-        with answer_keys_refused(exercise):
-            for key in keys:
-                for how in (aliases[key], fresh(key)):
-                    with pytest.raises(AnswerKeyUsed) as refused:
-                        how()  # the stub raises before it reads any argument
-                    assert str(refused.value) == refusal_message(exercise, key)
-                    assert f"exercise {exercise} asks you to write this" in str(refused.value)
-                    assert f"`{key}` is its answer key" in str(refused.value)
-    assert str(sticky.value) == refusal_message(exercise, keys[0])  # the first one called
-    for key in keys:
-        assert refused_function(key).__code__ is codes[key], key
+# --- refusing them (each exercise's keys, under any name: test_check_contract.py) ---------------
 
 
 def test_other_exercises_keys_stay_allowed():
@@ -349,6 +312,7 @@ def test_check_2_1_names_the_refusal_the_same_way_every_run():
     assert verdicts == {ALL_REDUCE_REFUSED}
 
 
+@pytest.mark.slow  # the contract: the reference of 2.1, with a seed
 def test_check_2_1_passes_the_notebooks_solution():
     result = check_ring_all_reduce(my_ring_all_reduce, world_sizes=(1, 3))
     assert result.passed, result.message
@@ -358,6 +322,7 @@ def pieces_from_labs(numel, saved_world_size, world_size, rank):
     return labs.checkpoint.shard_pieces(numel, saved_world_size, world_size, rank)
 
 
+@pytest.mark.slow  # the contract: 7.2's first key, in its rank, and given back
 def test_check_7_2_fails_labs_shard_pieces_in_its_rank():
     result = check_shard_pieces(pieces_from_labs)
     assert str(result) == ("FAIL: Exercise 7.2 shard_pieces: "
@@ -366,6 +331,7 @@ def test_check_7_2_fails_labs_shard_pieces_in_its_rank():
     assert labs.checkpoint.shard_pieces(10, 4, 2, 0) == [(0, 0, 3), (1, 0, 2)]
 
 
+@pytest.mark.slow  # the contract: the reference of 7.2, with a seed
 def test_check_7_2_passes_the_notebooks_solution():
     assert check_shard_pieces(shard_pieces).passed
 
@@ -375,12 +341,14 @@ def hierarchical_from_labs(tensor, node_group, cross_group):
         tensor, dist.get_world_size(node_group))
 
 
+@pytest.mark.slow  # the contract: 8.1's key (through importlib), refused
 def test_check_8_1_fails_labs_hierarchical_all_reduce():
     result = check_hierarchical_all_reduce_(hierarchical_from_labs, world_sizes=(1, 2))
     assert str(result) == ("FAIL: Exercise 8.1 hierarchical_all_reduce_: "
                            + refusal_message("8.1", "labs.collectives.hierarchical_all_reduce"))
 
 
+@pytest.mark.slow  # the contract: the reference of 8.1 (built on labs' rings), with a seed
 def test_check_8_1_passes_the_notebooks_solution_built_on_labs_rings():
     result = check_hierarchical_all_reduce_(hierarchical_all_reduce_, world_sizes=(1, 2))
     assert result.passed, result.message
@@ -390,6 +358,7 @@ def average_with_labs(model):
     all_reduce_gradients_flat(model)
 
 
+@pytest.mark.slow  # the contract: 1.1's first key, refused
 def test_check_1_1_fails_labs_flat_all_reduce():
     result = check_average_gradients(average_with_labs, world_sizes=(2,))
     assert str(result) == ("FAIL: Exercise 1.1 average_gradients: " + refusal_message(
@@ -410,6 +379,7 @@ def step_with_labs_optimizer(params, momentum_shards, lr, beta):
     ShardedOptimizer(params, torch.optim.SGD, lr=lr, momentum=beta).step()
 
 
+@pytest.mark.slow  # the contract: 6.1's first key, a class, refused at construction
 def test_check_6_1_fails_labs_sharded_optimizer():
     result = check_sharded_sgd_step(step_with_labs_optimizer, world_sizes=(1,))
     assert str(result) == ("FAIL: Exercise 6.1 sharded_sgd_step: "

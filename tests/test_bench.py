@@ -291,6 +291,7 @@ def test_lab_collectives_refuses_bad_flags_before_launching(monkeypatch, capsys,
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test runs labs under torchrun in test_toy_allreduce (one node and two)
 def test_lab_collectives_runs_under_torchrun():
     """torchrun's env:// rendezvous (--standalone), two processes: rank 0 prints one table."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -425,6 +426,7 @@ def test_pooled_ratio_lies_within_the_launch_range(launches: int, calls: int,
     assert min(spread) - 1e-12 <= pooled <= max(spread) + 1e-12, (pooled, spread)
 
 
+@pytest.mark.slow  # make test runs a bench's CLI in test_cli_tiny_sweep_writes_csv_json_and_png
 def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):
     """`python -m labs.bench ddp` and `fsdp` on a tiny model: real ranks, every row printed."""
     bench.main(["ddp", "--world-size", "2", "--width", "32", "--layers", "2", "--batch", "4",

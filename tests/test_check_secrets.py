@@ -1,29 +1,27 @@
 """Item 7 of the grading threat model: a check's ranks get their own inputs and nothing that
-decides the verdict. For every exercise of the book, its check is called with the notebook's
-own solution and a distinctive seed, and what the launcher would send each rank is caught
-before any process starts: no rank is sent the seed (as an int, or in a plan), and a rank that
-draws its inputs from keys holds its own key only. The attacks this closes (a learner's
-function that draws the other ranks' inputs from the check's frames and sums without a
-message) are in tests/test_checks.py, where they fail with "not this rank's to draw"."""
+decides the verdict. For every exercise of the registry, its check is called with the
+notebook's own solution (run after its chapter's setup, as the grader runs it) and a
+distinctive seed, and what the launcher would send each rank is caught before any process
+starts: no rank is sent the seed (as an int, or in a plan), and a rank that draws its inputs
+from keys holds its own key only. The attacks this closes (a learner's function that draws the
+other ranks' inputs from the check's frames and sums without a message) are in
+tests/test_checks.py, where they fail with "not this rank's to draw"."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import labs.checks
 import labs.launcher
 from labs.checks.core import CaseKeys
-from labs.grading.handout import load_chapters
+from labs.checks.exercises import EXERCISES
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+from solutions import reference
+
 SEED = 987_654_321_012
-CHAPTERS = {c.path.name: c for c in load_chapters(NOTEBOOKS)}
-EXERCISES = [(name, ex.exercise) for name, c in CHAPTERS.items() for ex in c.exercises]
 
 
 class _Caught(Exception):
@@ -50,16 +48,8 @@ def _seen(value: object, path: str = "args") -> list[str]:
     return []
 
 
-@pytest.mark.parametrize(("notebook", "exercise"), EXERCISES,
-                         ids=[e for _, e in EXERCISES])
-def test_no_rank_is_sent_the_seed_or_another_ranks_key(notebook, exercise, monkeypatch):
-    chapter = CHAPTERS[notebook]
-    ex = next(e for e in chapter.exercises if e.exercise == exercise)
-    namespace: dict[str, Any] = {}
-    for source in chapter.sources(chapter.setup):
-        exec(compile(source, notebook, "exec"), namespace)
-    for index in ex.solutions:
-        exec(compile(chapter.nb.cells[index].source, notebook, "exec"), namespace)
+@pytest.mark.parametrize("row", EXERCISES, ids=[e.id for e in EXERCISES])
+def test_no_rank_is_sent_the_seed_or_another_ranks_key(row, monkeypatch):
     sent: list[tuple[Any, ...]] = []
 
     def pack_call(fn: object, args: tuple[Any, ...]) -> bytes:
@@ -71,11 +61,8 @@ def test_no_rank_is_sent_the_seed_or_another_ranks_key(notebook, exercise, monke
 
     monkeypatch.setattr(labs.launcher, "pack_call", pack_call)
     monkeypatch.setattr(labs.launcher._Rank, "start", start)
-    for call in ex.calls:
-        check = getattr(labs.checks, call.function)
-        sent.clear()
-        with pytest.raises(_Caught):
-            check(*(namespace[name] for name in call.submitted), seed=SEED)
-        assert sent, f"{call.function} started no rank"
-        found = [p for r, args in enumerate(sent) for p in _seen(args, f"rank {r}'s args")]
-        assert not found, f"{call.function} sends its ranks the seed: {found}"
+    with pytest.raises(_Caught):
+        row.check_function()(reference(row), seed=SEED)
+    assert sent, f"{row.check} started no rank"
+    found = [p for r, args in enumerate(sent) for p in _seen(args, f"rank {r}'s args")]
+    assert not found, f"{row.check} sends its ranks the seed: {found}"

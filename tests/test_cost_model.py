@@ -1,6 +1,7 @@
-"""labs.cost_model: the fit recovers known parameters and shows a bad fit, the closed forms
-match hand-derived values and the message counts of the real collectives, crossovers are
-where the predictions meet, and one real-rank measurement runs end to end."""
+"""labs.cost_model and its fit (labs.experiments.cost_fit) and plot (labs.viz.cost_model): the
+fit recovers known parameters and shows a bad fit, the closed forms match hand-derived values
+and the message counts of the real collectives, crossovers are where the predictions meet, and
+one real-rank measurement runs end to end."""
 
 from __future__ import annotations
 
@@ -14,16 +15,14 @@ import torch
 
 from labs import launch
 from labs.collectives import Algorithm, Collective, Recorder
-from labs.cost_model import (
-    AlphaBeta,
+from labs.cost_model import AlphaBeta, coefficients, crossover_bytes, predict
+from labs.experiments.cost_fit import (
+    FittedAlphaBeta,
     alpha_beta_from_points,
-    coefficients,
-    crossover_bytes,
     fit_alpha_beta,
     fit_line,
+    fitted_statistic,
     measured_over_predicted,
-    plot_cost_model,
-    predict,
 )
 from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p
 from labs.experiments.timing import CollectiveCase, CollectiveTiming, Statistic
@@ -246,7 +245,10 @@ def test_plot_cost_model_overlays_model_and_measurements():
     import matplotlib
 
     matplotlib.use("Agg")
-    params = AlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10, gamma_s_per_byte=1e-10, cores=2)
+    from labs.viz.cost_model import plot_cost_model
+
+    params = FittedAlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10, gamma_s_per_byte=1e-10,
+                             cores=2)
     timings = _fake_timings(4, params)
     fig = plot_cost_model(timings, params, 4)
     left, right = fig.axes
@@ -297,9 +299,30 @@ def test_plot_says_nothing_about_cores_when_there_are_enough():
     import matplotlib
 
     matplotlib.use("Agg")
-    params = AlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10, cores=8)
+    from labs.viz.cost_model import plot_cost_model
+
+    params = FittedAlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10, cores=8)
     fig = plot_cost_model(_fake_timings(4, params), params, 4)
     assert "cores" not in fig.axes[1].get_title()
+    by_hand = AlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10)  # no cores to speak of
+    fig = plot_cost_model(_fake_timings(4, by_hand), by_hand, 4)
+    assert "cores" not in fig.axes[1].get_title()
+
+
+def test_parameters_by_hand_compare_with_the_fastest_call():
+    """A hand-chosen AlphaBeta has no fit statistic: the closed forms price an idle network,
+    so a measurement is summarised by its best call; a fitted one by the fit's own."""
+    by_hand = AlphaBeta(alpha_s=30e-6, beta_s_per_byte=2e-10)
+    assert fitted_statistic(by_hand) is Statistic.MIN
+    assert fitted_statistic(FittedAlphaBeta(1e-6, 1e-10, statistic=Statistic.MEDIAN)) \
+        is Statistic.MEDIAN
+    case = CollectiveCase(Collective.ALL_REDUCE, Algorithm.RING, 1 << 20)
+    fastest = predict(Algorithm.RING, 1 << 20, 4, by_hand)
+    timing = CollectiveTiming(case, 4, "gloo", 3 * fastest, (fastest, 3 * fastest, 5 * fastest),
+                              True)
+    assert measured_over_predicted(timing, by_hand) == pytest.approx(1.0)
+    assert by_hand.summary() == ("alpha = 30.0 us, beta = 0.200 ns/B (5.00 GB/s), "
+                                 "gamma = 0.000 ns/B")
 
 
 @pytest.mark.parametrize("pattern", list(P2PPattern))

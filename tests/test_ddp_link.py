@@ -271,7 +271,7 @@ def test_the_ddp_panel_offers_the_link_only_when_given_one(monkeypatch):
 
     shown, runs = [], []
     monkeypatch.setattr(recorded, "display", lambda obj, **_: shown.append(obj))
-    monkeypatch.setattr(widgets, "show_ddp_run", lambda *args: runs.append(args))
+    monkeypatch.setattr(widgets.ddp, "show_ddp_run", lambda *args: runs.append(args))
     widgets.ddp_panel(world_size=2, settings=SMALL, link=QUICK, world_sizes=(2,),
                       caps=(0.25, 25.0))
     assert len(runs) == 2 and all(r[2:] in ((), (None,)) for r in runs)  # loopback grid

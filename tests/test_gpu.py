@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from labs import Backend, launch, rank_device
 from labs.collectives import Algorithm, all_gather, all_reduce, reduce_scatter
-from labs.experiments.ddp import StepSettings, mlp
 from labs.experiments.zero import lab_worker
 from labs.fsdp import FSDP
 from labs.memory import ShardMemorySettings, all_gather_memory, reduce_scatter_memory
+from labs.models import StepSettings, mlp
 from labs.toy_allreduce import (
     EXAMPLE_GRADIENTS,
     EXAMPLE_SENTENCES,

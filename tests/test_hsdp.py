@@ -16,8 +16,9 @@ from torch import nn
 
 from labs import RankError
 from labs.collectives import Algorithm, Recorder
-from labs.experiments.hsdp import HsdpSettings, Strategy, measure_hsdp
-from labs.fsdp import FSDP, hybrid_layout
+from labs.experiments.hsdp import HsdpSettings, measure_hsdp
+from labs.fsdp import FSDP
+from labs.wrappers import Wrapper
 
 from parity import (
     OPTIMIZERS,
@@ -104,14 +105,6 @@ def test_one_rank_with_shard_size_one_matches_one_process():
         assert_states_match(got[f"1-{algo.name}"], reference_run("adam"), algo.name)
 
 
-def test_the_layout_cuts_consecutive_ranks_into_shard_groups():
-    shard, replicate = hybrid_layout(8, 2)
-    assert shard == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert replicate == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert hybrid_layout(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
-    assert hybrid_layout(4, 1) == ([[0], [1], [2], [3]], [[0, 1, 2, 3]])
-
-
 # --- clipping, no_sync, bf16 under HSDP --------------------------------------------------------
 
 LR, MAX_NORM = 0.5, 0.05
@@ -188,17 +181,17 @@ def test_clipping_changes_the_step_so_the_parity_above_can_fail():
 def test_hsdp_holds_one_shard_size_th_of_ddp_and_sends_the_closed_form_across_groups():
     settings = HsdpSettings(width=16, layers=3, batch=4, steps=2, world_size=4, shard_size=2)
     rows = {r.strategy: r for r in measure_hsdp(settings, timeout=120)}
-    ddp = rows[Strategy.DDP].held
+    ddp = rows[Wrapper.DDP].held
     # parameters + gradients + Adam's state: 1/g of DDP's, 10 % allowed for padding and
     # Adam's step counts; and measured, so a wrong layout would show
-    assert ddp / 2 <= rows[Strategy.HSDP].held <= 1.1 * ddp / 2
-    assert ddp / 4 <= rows[Strategy.FSDP].held <= 1.1 * ddp / 4
+    assert ddp / 2 <= rows[Wrapper.HSDP].held <= 1.1 * ddp / 2
+    assert ddp / 4 <= rows[Wrapper.FSDP].held <= 1.1 * ddp / 4
     for row in rows.values():
         assert row.across == row.expected_across, row
         assert row.inside == row.expected_inside, row
     # HSDP sends less across groups than DDP and FSDP, so the closed forms can tell them apart
-    assert rows[Strategy.HSDP].across < rows[Strategy.DDP].across < rows[Strategy.FSDP].across
-    assert rows[Strategy.FSDP].across != 2 * (settings.groups - 1) * rows[Strategy.FSDP].size
+    assert rows[Wrapper.HSDP].across < rows[Wrapper.DDP].across < rows[Wrapper.FSDP].across
+    assert rows[Wrapper.FSDP].across != 2 * (settings.groups - 1) * rows[Wrapper.FSDP].size
 
 
 # --- refusals -------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """labs.cost_model on the emulated link: the closed forms of predict_on_link equal a
 step-by-step run of the port model, a wrong form is told apart, the crossover solver finds
-where the predictions meet, real ranks on a labs.Link take what the forms say (within 15 %),
-and chapter 2's experiment (labs.experiments.link_sweep) and figure run end to end.
+where the predictions meet, real ranks on a labs.Link take what the forms say (one-sided
+bounds: tests/timing_bounds.py), and chapter 2's experiment (labs.experiments.link_sweep)
+and figure run end to end.
 
 The real-rank link is slow (50 ms of latency, 5 MB/s: a 256 KiB message costs 102 ms), for
 the reason tests/test_link.py gives: under make test's two workers on 2 cores a sleeping rank
@@ -12,12 +13,12 @@ from __future__ import annotations
 import math
 import random
 import re
-import statistics
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from timing_bounds import fastest_of_slowest, follows, near
 
 from labs import Link, launch
 from labs.collectives import (
@@ -264,13 +265,11 @@ def _timed_all_reduces(rank: int, world_size: int,
 
 
 def _measured(per_rank: list[dict[str, list[float]]], name: str) -> float:
-    """The median over repeats of the slowest rank's time."""
-    return statistics.median(max(times) for times in zip(*(r[name] for r in per_rank),
-                                                         strict=True))
+    """The fastest repeat of the slowest rank's time."""
+    return fastest_of_slowest([r[name] for r in per_rank])
 
 
-def _within(measured: float, model: float) -> bool:
-    return abs(measured - model) <= TOLERANCE * model
+_within = follows  # one-sided: lateness on a loaded machine only adds
 
 
 def test_three_algorithms_take_what_the_forms_say_on_four_ranks():
@@ -282,8 +281,8 @@ def test_three_algorithms_take_what_the_forms_say_on_four_ranks():
         model = predict_on_link(algorithm, nbytes, 4, LINK, segment_bytes=segment)
         assert _within(measured, model), (name, measured, model)
     # and the wrong forms miss what was measured
-    assert not _within(_measured(per_rank, "ring"), 3 * LINK.seconds(NBYTES / 4))
-    assert not _within(_measured(per_rank, "naive"), 6 * LINK.seconds(NBYTES))
+    assert not near(_measured(per_rank, "ring"), 3 * LINK.seconds(NBYTES / 4))
+    assert not near(_measured(per_rank, "naive"), 6 * LINK.seconds(NBYTES))
 
 
 def test_recursive_doubling_off_a_power_of_two_and_the_pipelined_ring_on_real_ranks():
@@ -301,7 +300,7 @@ def test_recursive_doubling_off_a_power_of_two_and_the_pipelined_ring_on_real_ra
     model = predict_on_link(Algorithm.RING, ring_bytes, 3, LINK, segment_bytes=1 << 17)
     lock_step = predict_on_link(Algorithm.RING, ring_bytes, 3, LINK, segment_bytes=None)
     assert _within(ring, model), (ring, model)
-    assert not _within(ring, lock_step), (ring, lock_step)
+    assert not near(ring, lock_step), (ring, lock_step)
 
 
 def test_the_chapter_sweep_runs_end_to_end_and_matches_its_model():
@@ -310,7 +309,8 @@ def test_the_chapter_sweep_runs_end_to_end_and_matches_its_model():
     rows = ls.measure_on_link(settings)
     assert [(r.world_size, r.algorithm, r.size_bytes) for r in rows] == \
         [(2, a, NBYTES) for a in ls.SWEPT]
-    assert all(r.correct and len(r.seconds) == 2 and r.within(TOLERANCE) for r in rows), rows
+    assert all(r.correct and len(r.seconds) == 2 and follows(r.fastest, r.predicted)
+               for r in rows), rows
     assert ls.find(rows, 2, Algorithm.RING, NBYTES).predicted == pytest.approx(
         predict_on_link(Algorithm.RING, NBYTES, 2, LINK))
 
@@ -391,15 +391,16 @@ def test_the_collective_panel_runs_on_the_link_when_ticked(monkeypatch, capsys):
 def test_the_panel_offers_the_link_only_for_the_all_reduce(monkeypatch):
     import ipywidgets as w
 
-    from labs.viz import recorded, widgets
+    from labs.viz import recorded
+    from labs.viz.widgets import collectives as panels
 
     shown = []
     monkeypatch.setattr(recorded, "display", lambda obj, **_: shown.append(obj))
-    monkeypatch.setattr(widgets, "run_sweep", lambda settings: [])
-    monkeypatch.setattr(widgets, "sweep_tables", lambda timings: "")
-    monkeypatch.setattr(widgets, "plot_collective_bars", lambda timings: None)
-    monkeypatch.setattr(widgets, "display", lambda obj: None)
-    widgets.collective_panel(Collective.REDUCE_SCATTER, world_size=2, size_bytes=4096,
+    monkeypatch.setattr(panels, "run_sweep", lambda settings: [])
+    monkeypatch.setattr(panels, "sweep_tables", lambda timings: "")
+    monkeypatch.setattr(panels, "plot_collective_bars", lambda timings: None)
+    monkeypatch.setattr(panels, "display", lambda obj: None)
+    panels.collective_panel(Collective.REDUCE_SCATTER, world_size=2, size_bytes=4096,
                              world_sizes=(2,), sizes=(4096,), link=LINK)
     (panel,) = [s for s in shown if isinstance(s, w.VBox)]
     labels = [c.description for c in panel.children[-2].children if hasattr(c, "description")]

@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from labs import launch
+from labs.checks.claims import check_held_bytes
 from labs.collectives import Algorithm, shard_bounds
 from labs.memory import (
     AllGatherMoment,
@@ -20,7 +21,6 @@ from labs.memory import (
     ReduceScatterMoment,
     ShardMemorySettings,
     all_gather_memory,
-    check_held_bytes,
     find,
     named_tensors,
     reduce_scatter_memory,

@@ -171,6 +171,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # chapter 5's nbval runs torchrun and compares its final loss with the notebook's
 def test_cli_and_torchrun_print_the_same_curve():
     local = _cli("ddp", "--world-size", "2", "--steps", "5")
     assert local.returncode == 0, local.stderr

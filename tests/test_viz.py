@@ -321,10 +321,10 @@ def test_toy_panel_records_each_world_size_and_a_click_uses_the_seed(monkeypatch
 
 
 def test_zero_panel_offers_the_width_it_was_given_and_runs_the_chosen_one(monkeypatch):
-    from labs.experiments.ddp import StepSettings
+    from labs.models import StepSettings
 
     shown, runs = _recorded(monkeypatch), []
-    monkeypatch.setattr(widgets, "show_zero_run", lambda *args: runs.append(args))
+    monkeypatch.setattr(widgets.zero, "show_zero_run", lambda *args: runs.append(args))
     base = StepSettings(width=48, layers=2, batch=8, steps=1, warmup=0)
     widgets.zero_panel(world_size=2, strategy=Wrapper.ZERO1, settings=base, world_sizes=(2,))
     assert runs == []  # the grid is recorded from measure_memory, not from a live run

@@ -10,7 +10,7 @@ from torch import nn
 from labs import launch
 from labs.fsdp import FSDP
 from labs.train import TrainConfig
-from labs.wrappers import DDP_WRAPPERS, ZERO_STAGES, Wrapper, build, wrap
+from labs.wrappers import DDP_WRAPPERS, HSDP_STRATEGIES, ZERO_STAGES, Wrapper, build, wrap
 from labs.zero import ShardedOptimizer, ZeroStage
 
 #: Every wrapper that shares the training state and that `build` makes.
@@ -27,7 +27,8 @@ def two_steps(rank: int, world_size: int, wrappers: list[Wrapper]) -> dict[Wrapp
     for wrapper in wrappers:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-        model, optimizer = build(wrapper, net, torch.optim.SGD, lr=0.5, bucket_cap_mb=1.0)
+        model, optimizer = build(wrapper, net, torch.optim.SGD, lr=0.5, bucket_cap_mb=1.0,
+                                 shard_size=1)  # HSDP: shards of 1 rank, replicated on 2
         losses = []
         for _ in range(2):
             optimizer.zero_grad()
@@ -55,7 +56,7 @@ def test_every_wrapper_trains_like_one_process_on_two_ranks():
     classes = {w: r[:3] for w, r in per_rank[0].items()}
     assert classes[Wrapper.NAIVE][0] == "NaiveDDP" and classes[Wrapper.DDP][0] == "DDP"
     assert classes[Wrapper.TORCH_DDP][0] == "DistributedDataParallel"
-    assert classes[Wrapper.FSDP][0] == FSDP.__name__
+    assert classes[Wrapper.FSDP][0] == classes[Wrapper.HSDP][0] == FSDP.__name__
     assert classes[Wrapper.ZERO1] == ("Sequential", ShardedOptimizer.__name__, ZeroStage.OPTIMIZER)
     assert classes[Wrapper.ZERO2] == ("Sequential", ShardedOptimizer.__name__, ZeroStage.GRADIENTS)
 
@@ -64,6 +65,12 @@ def test_stages_and_groups():
     assert [w.stage for w in ZERO_STAGES] == [0, 1, 2, 3]
     assert Wrapper.LOCAL.stage is None and Wrapper.FULLY_SHARD.stage == 3
     assert all(w.stage == 0 for w in DDP_WRAPPERS)
+    assert [w.stage for w in HSDP_STRATEGIES] == [0, 3, 3]
+
+
+def test_hsdp_needs_its_group_size():
+    with pytest.raises(ValueError, match="shard_size"):
+        wrap(Wrapper.HSDP, nn.Linear(2, 2))
 
 
 def test_fully_shard_is_built_by_fsdp_torch_not_wrap():

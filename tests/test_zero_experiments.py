@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from labs import __main__ as labs_cli
-from labs.experiments.ddp import StepSettings
 from labs.experiments.zero import (
     LAB_SETTINGS,
     Group,
@@ -22,6 +21,7 @@ from labs.experiments.zero import (
     measure_memory,
     measure_traffic,
 )
+from labs.models import StepSettings
 from labs.wrappers import ZERO_STAGES, Wrapper
 
 # 8 layers of Linear(64, 64): 4160 parameters each, a multiple of 4, so no padding.
@@ -120,6 +120,7 @@ def test_lab_zero_prints_memory_and_traffic_per_strategy(capsys):
     assert traffic[-1][-2:] == ["1.5000", "1.5000"]  # 3(N-1)/N, measured and closed form
 
 
+@pytest.mark.slow  # make test runs labs under torchrun in test_toy_allreduce (one node and two)
 def test_lab_zero_runs_under_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run(

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from labs.experiments.ddp import StepSettings
 from labs.experiments.zero import (
     Group,
     fsdp_reduce_scatter_terms,
@@ -20,6 +19,7 @@ from labs.experiments.zero import (
 )
 from labs.fsdp import FSDP, Event
 from labs.launcher import launch
+from labs.models import StepSettings
 from labs.wrappers import Wrapper
 
 # 4 layers of Linear(10, 10): 110 parameters each, which 4 does not divide (padding counts).

@@ -5,9 +5,10 @@ the learner's code.
 already holds: exercise 2.1's ring all-reduce is :func:`labs.collectives.ring_all_reduce`,
 7.2's resharding is :func:`labs.checkpoint.shard_pieces`. Learners must have ``labs``
 installed to run the notebooks, so a check must tell "wrote it" from "called it".
-:data:`ANSWER_KEYS` lists, per exercise, the objects a learner could call instead of writing
-the exercise (not the primitives the exercise tells them to use: 8.1 is built from labs' rings,
-so the rings stay allowed there, and point-to-point sends are allowed everywhere), and
+:data:`ANSWER_KEYS` (a column of the exercise registry, :mod:`labs.checks.exercises`) lists,
+per exercise, the objects a learner could call instead of writing the exercise (not the
+primitives the exercise tells them to use: 8.1 is built from labs' rings, so the rings stay
+allowed there, and point-to-point sends are allowed everywhere), and
 :func:`answer_keys_refused` refuses them while a check runs the learner's code.
 
 A refusal must catch every way of reaching the object: ``from labs.collectives import
@@ -39,85 +40,20 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from labs.checks.exercises import EXERCISES
 from labs.tables import format_table
 
 # --- which objects solve which exercise -------------------------------------------------------
 
-#: labs' all-reduces, each one exercise 2.1's answer (and 4.2's).
-_ALL_REDUCES = (
-    "labs.collectives.ring_all_reduce",
-    "labs.collectives.all_reduce",
-    "labs.collectives.naive_all_reduce",
-    "labs.collectives.whole_tensor_ring_all_reduce",
-    "labs.collectives.recursive_doubling_all_reduce",
-    "labs.collectives.hierarchical_all_reduce",
-)
-#: labs' ring engine, which runs the steps of any of its rings, and the builders of those
-#: steps: refused with the rings in chapters 2-4, so that the parts of labs' rings do not
-#: assemble one either.
-_RING_ENGINE = ("labs.ring_schedule.run_ring", "labs.ring_schedule.execute",
-                "labs.ring_schedule.run_lockstep", "labs.ring_schedule.compile_pipelined",
-                "labs.collectives._reduce_scatter_steps", "labs.collectives._all_gather_steps")
-#: labs' reduce-scatters (exercise 3.1).
-_REDUCE_SCATTERS = ("labs.collectives.ring_reduce_scatter", "labs.collectives.reduce_scatter")
-#: labs' all-gathers (exercise 4.1).
-_ALL_GATHERS = ("labs.collectives.ring_all_gather", "labs.collectives.all_gather")
-#: Chapter 5's wrappers with what they are made of: the broadcast at construction and the
-#: averaging after backward (one flat all-reduce in chapter 1 does it as well).
-_NAIVE_DDP = (
-    "labs.ddp.NaiveDDP",
-    "labs.ddp.NaiveDDP.finish_gradient_synchronization",
-    "labs.ddp.broadcast_state",
-    "labs.toy_allreduce.all_reduce_gradients_flat",
-)
-_BUCKETED_DDP = (
-    "labs.ddp.DDP",
-    "labs.ddp.DDP.finish_gradient_synchronization",
-    "labs.ddp.assign_buckets",
-    "labs.ddp.broadcast_state",
-)
-
-#: Exercise id -> the dotted paths of the ``labs`` objects that solve it: functions, classes
-#: (refused at construction) and methods (``labs.fsdp.FSDP.clip_grad_norm_``). Chapters 2-4
-#: ask for a collective from point-to-point messages, so an all-reduce (2.1, 4.2) refuses the
-#: two halves too, which make one (chapter 4), and each refuses labs' ring engine. Three keys
-#: are private methods, because that is where labs keeps the step the exercise asks for: ZeRO's
-#: gradient reduce-scatter (6.3), its stage-2 hook (6.4) and FSDP's post-backward
-#: reduce-scatter (6.5).
-ANSWER_KEYS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
-    "1.1": ("labs.toy_allreduce.all_reduce_gradients_flat", "labs.ddp.NaiveDDP",
-            "labs.ddp.NaiveDDP.finish_gradient_synchronization"),
-    "2.1": _ALL_REDUCES + _REDUCE_SCATTERS + _ALL_GATHERS + _RING_ENGINE,
-    "3.1": _REDUCE_SCATTERS + _RING_ENGINE,
-    "4.1": _ALL_GATHERS + _RING_ENGINE,
-    "4.2": _ALL_REDUCES + _REDUCE_SCATTERS + _ALL_GATHERS + _RING_ENGINE,
-    "5.1": _NAIVE_DDP + ("labs.ddp.DDP", "labs.ddp.DDP.finish_gradient_synchronization"),
-    "5.2": _BUCKETED_DDP,
-    "6.1": ("labs.zero.ShardedOptimizer", "labs.zero.ShardedOptimizer.step"),
-    "6.2": ("labs.fsdp.FSDP", "labs.fsdp.FSDP.unshard", "labs.fsdp.FSDP.reshard"),
-    "6.3": ("labs.zero.ShardedOptimizer._reduce_scatter",),
-    "6.4": ("labs.zero.ShardedOptimizer", "labs.zero.ShardedOptimizer._reduce_now",
-            "labs.zero.ShardedOptimizer._reduce_scatter"),
-    "6.5": ("labs.fsdp.FSDP", "labs.fsdp.FSDP.unshard", "labs.fsdp.FSDP.reshard",
-            "labs.fsdp.FSDP._post_backward"),
-    "7.1": ("labs.fsdp.FSDP", "labs.fsdp.FSDP.clip_grad_norm_"),
-    "7.2": ("labs.checkpoint.shard_pieces",),
-    "8.1": ("labs.collectives.hierarchical_all_reduce",),
-    "8.2": ("labs.tensor_parallel.ParallelMLP", "labs.tensor_parallel.ParallelMLP.forward",
-            "labs.tensor_parallel.ColumnParallelLinear",
-            "labs.tensor_parallel.ColumnParallelLinear.forward",
-            "labs.tensor_parallel.RowParallelLinear",
-            "labs.tensor_parallel.RowParallelLinear.forward"),
-})
+#: Exercise id -> the dotted paths of the ``labs`` objects that solve it (the rows of
+#: :data:`labs.checks.exercises.EXERCISES`, in the book's order): functions, classes (refused
+#: at construction) and methods (``labs.fsdp.FSDP.clip_grad_norm_``).
+ANSWER_KEYS: Mapping[str, tuple[str, ...]] = types.MappingProxyType(
+    {e.id: e.answer_keys for e in EXERCISES})
 
 #: Exercise id -> what the learner writes in it: the name its check cell passes to the check.
-LEARNER_FUNCTIONS: Mapping[str, str] = types.MappingProxyType({
-    "1.1": "average_gradients", "2.1": "my_ring_all_reduce", "3.1": "ring_reduce_scatter",
-    "4.1": "ring_all_gather", "4.2": "all_reduce", "5.1": "SimpleDDP", "5.2": "BucketedDDP",
-    "6.1": "sharded_sgd_step", "6.2": "fsdp_linear_forward", "6.3": "reduce_scatter_grad",
-    "6.4": "zero2_grad_hook", "6.5": "fsdp_linear_backward", "7.1": "clip_shards_",
-    "7.2": "shard_pieces", "8.1": "hierarchical_all_reduce_", "8.2": "tp_mlp_forward",
-})
+LEARNER_FUNCTIONS: Mapping[str, str] = types.MappingProxyType(
+    {e.id: e.learner_name for e in EXERCISES})
 
 
 class AnswerKeyUsed(RuntimeError):

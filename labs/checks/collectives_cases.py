@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from labs.checks.core import CaseKeys, CheckPlan, keyed_values, listed, with_drawn_world_size
+from labs.checks.exercises import spec
 from labs.collectives import Collective, shard_bounds
 
 _BIG_NUMELS = (300, 301)  #: a few hundred elements: one divisible by N <= 6, one not
@@ -45,16 +46,11 @@ class Exercise(enum.Enum):
 
     @property
     def function(self) -> str:
-        return {
-            Exercise.RING_ALL_REDUCE: "ring_all_reduce",
-            Exercise.RING_REDUCE_SCATTER: "ring_reduce_scatter",
-            Exercise.RING_ALL_GATHER: "ring_all_gather",
-            Exercise.COMPOSED_ALL_REDUCE: "all_reduce",
-        }[self]
+        return spec(self.value).function
 
     @property
     def title(self) -> str:
-        return f"Exercise {self.value} {self.function}"
+        return spec(self.value).title
 
     @property
     def collective(self) -> Collective:
@@ -67,7 +63,7 @@ class Exercise(enum.Enum):
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        return ("shard", "numel") if self is Exercise.RING_ALL_GATHER else ("tensor",)
+        return spec(self.value).parameters
 
     @property
     def phases(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from labs.checks.core import CheckPlan, with_drawn_world_size
+from labs.checks.exercises import spec
 
 #: Samples in the check's batch: lcm(1..8), so every world size up to 8 gets an equal shard.
 BATCH = 840
@@ -40,22 +41,20 @@ class DDPExercise(enum.Enum):
 
     @property
     def class_name(self) -> str:
-        return {DDPExercise.SIMPLE_DDP: "SimpleDDP",
-                DDPExercise.BUCKETED_DDP: "BucketedDDP"}[self]
+        return spec(self.value).function
 
     @property
     def check_name(self) -> str:
-        return {DDPExercise.SIMPLE_DDP: "check_simple_ddp",
-                DDPExercise.BUCKETED_DDP: "check_bucketed_ddp"}[self]
+        return spec(self.value).check
 
     @property
     def title(self) -> str:
-        return f"Exercise {self.value} {self.class_name}"
+        return spec(self.value).title
 
     @property
     def arguments(self) -> tuple[str, ...]:
         """The constructor's arguments, as the check passes them (positionally)."""
-        return ("module",) if self is DDPExercise.SIMPLE_DDP else ("module", "bucket_cap_mb")
+        return spec(self.value).parameters
 
     @property
     def drawn_world_sizes(self) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from labs.checks.core import CheckPlan, case_values, listed, with_drawn_world_size
+from labs.checks.exercises import spec
 from labs.checks.zero_cases import pad_flat, shard_of
 from labs.models import TiedNet
 
@@ -57,18 +58,15 @@ class PracticeExercise(enum.Enum):
 
     @property
     def function(self) -> str:
-        return {PracticeExercise.CLIP_SHARDS: "clip_shards_",
-                PracticeExercise.SHARD_PIECES: "shard_pieces"}[self]
+        return spec(self.value).function
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        return {PracticeExercise.CLIP_SHARDS: ("grads", "max_norm"),
-                PracticeExercise.SHARD_PIECES: ("numel", "saved_world_size", "world_size",
-                                                "rank")}[self]
+        return spec(self.value).parameters
 
     @property
     def title(self) -> str:
-        return f"Exercise {self.value} {self.function}"
+        return spec(self.value).title
 
 
 # --- 7.1: clipping across shards -------------------------------------------------------------

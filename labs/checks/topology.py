@@ -78,6 +78,7 @@ from labs.checks.watch import (
     patched,
     side_doors_closed,
 )
+from labs.grid import ProcessGrid
 from labs.launcher import LaunchTimeout, RankError
 
 # --- 8.1, inside every rank ------------------------------------------------------------------
@@ -138,20 +139,12 @@ def _watched_sends() -> Iterator[_Sends]:
         yield sends
 
 
-def _groups(layout: Layout, rank: int) -> tuple[ProcessGroup, ProcessGroup]:
-    """This rank's node group and cross-node group of ``layout``. Every rank creates every
-    group, in the same order, as ``dist.new_group`` requires."""
-    node = cross = None
-    for j in range(layout.nodes):
-        made = dist.new_group(layout.node_ranks(j))
-        if j == layout.node_of(rank):
-            node = made
-    for local in range(layout.node_size):
-        made = dist.new_group(layout.cross_ranks(local))
-        if local == rank % layout.node_size:
-            cross = made
-    assert node is not None and cross is not None
-    return node, cross
+def _groups(layout: Layout) -> tuple[ProcessGroup, ProcessGroup]:
+    """This rank's node group and cross-node group of ``layout``, from its grid
+    (:class:`labs.grid.ProcessGrid`: every rank creates every group, in the same order, as
+    ``dist.new_group`` requires)."""
+    grid = ProcessGrid.build(layout.grid)
+    return grid["node"], grid["cross"]
 
 
 @dataclass(frozen=True)
@@ -168,7 +161,7 @@ def _hier_rank(rank: int, world_size: int, fn: Callable[..., Any], layouts: tupl
                tensors: list[list[torch.Tensor]]) -> list[list[_HierCall]]:
     """Calls the learner's function for every layout and tensor size, sends watched.
     ``tensors[layout][case]``: this rank's inputs, drawn by the parent (never the seed)."""
-    groups = [_groups(layout, rank) for layout in layouts]  # before watching: no send counted
+    groups = [_groups(layout) for layout in layouts]  # before watching: no send counted
     results = []
     with _watched_sends() as sends, \
             answer_keys_refused(TopologyExercise.HIERARCHICAL_ALL_REDUCE.value):

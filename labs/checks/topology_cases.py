@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from labs.checks.core import CheckPlan, case_values, with_drawn_world_size
+from labs.checks.exercises import spec
 from labs.collectives import shard_bounds
+from labs.grid import GridLayout, node_layout
 
 #: 8.1's inputs are integers in [1, 9] (:func:`labs.checks.core.case_values`): every sum is
 #: exact in float32 whatever the order of the additions, so the check compares exactly.
@@ -46,18 +48,15 @@ class TopologyExercise(enum.Enum):
 
     @property
     def function(self) -> str:
-        return {TopologyExercise.HIERARCHICAL_ALL_REDUCE: "hierarchical_all_reduce_",
-                TopologyExercise.TP_MLP_FORWARD: "tp_mlp_forward"}[self]
+        return spec(self.value).function
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        return {TopologyExercise.HIERARCHICAL_ALL_REDUCE: ("tensor", "node_group",
-                                                           "cross_group"),
-                TopologyExercise.TP_MLP_FORWARD: ("x", "w1", "b1", "w2", "b2")}[self]
+        return spec(self.value).parameters
 
     @property
     def title(self) -> str:
-        return f"Exercise {self.value} {self.function}"
+        return spec(self.value).title
 
 
 # --- 8.1: the hierarchical all-reduce ---------------------------------------------------------
@@ -81,16 +80,21 @@ class Layout:
         """n = N / g."""
         return self.world_size // self.node_size
 
+    @property
+    def grid(self) -> GridLayout:
+        """The grid ``("cross", "node")`` of shape (n, g) whose groups the check builds."""
+        return node_layout(self.world_size, self.node_size)
+
     def node_of(self, rank: int) -> int:
         return rank // self.node_size
 
     def node_ranks(self, node: int) -> list[int]:
         """The ranks of node ``node``: what its ranks' ``node_group`` holds."""
-        return list(range(node * self.node_size, (node + 1) * self.node_size))
+        return list(self.grid.groups("node")[node])
 
     def cross_ranks(self, local: int) -> list[int]:
         """The ranks of local rank ``local`` on every node: what their ``cross_group`` holds."""
-        return list(range(local, self.world_size, self.node_size))
+        return list(self.grid.groups("cross")[local])
 
     def describe(self) -> str:
         return f"{self.nodes} node{'s' if self.nodes > 1 else ''} of {self.node_size}"

@@ -25,13 +25,17 @@ from labs.checks.core import (
     listed,
     raised,
     run_check,
+    signature_problem,
     validate_check_call,
     with_drawn_world_size,
 )
+from labs.checks.exercises import spec
 from labs.launcher import LaunchTimeout, RankError, launch
 
 # --- Exercise 1.1: average_gradients(model) ---------------------------------------------------
 
+#: Its row of the exercise registry: title, signature, answer keys.
+_EXERCISE = spec("1.1")
 
 #: A non-zero seed adds one of these world sizes (the documented ones stop at 4).
 _DRAWN_WORLD_SIZES = (5, 6)
@@ -55,13 +59,13 @@ class _Widths:
 
 
 @dataclass(frozen=True)
-class _AveragePlan(CheckPlan):
+class AveragePlan(CheckPlan):
     """What check 1.1 runs: the world sizes and the check model's widths."""
 
     widths: _Widths
 
     @classmethod
-    def make(cls, world_sizes: Sequence[int], seed: int) -> _AveragePlan:
+    def make(cls, world_sizes: Sequence[int], seed: int) -> AveragePlan:
         if seed == 0:
             return cls(seed, tuple(world_sizes), None, _Widths())
         rng = random.Random(seed)
@@ -102,7 +106,7 @@ def _run_average_gradients(
     model = _CheckModel(widths)
     for name, grad in _check_gradients(rank, keys, widths).items():
         model.get_parameter(name).grad = grad.clone()
-    with answer_keys_refused("1.1"):
+    with answer_keys_refused(_EXERCISE.id):
         average_gradients(model)
     return {
         name: None if p.grad is None else p.grad.detach().clone()
@@ -124,7 +128,7 @@ def check_average_gradients(
     layer widths, both drawn from ``random.Random(seed)``; the verdict names them."""
     validate_check_call(average_gradients, world_sizes, seed, timeout,
                         example="check_average_gradients(average_gradients)")
-    plan = _AveragePlan.make(world_sizes, seed)
+    plan = AveragePlan.make(world_sizes, seed)
 
     def judge(n: int, results: Sequence[dict[str, torch.Tensor | None]]) -> str:
         keys = CaseKeys.draw(seed, n)
@@ -133,7 +137,7 @@ def check_average_gradients(
         return f"with {n} rank(s), {wrong}" if wrong else ""
 
     return run_check(
-        "Exercise 1.1 average_gradients", plan, timeout,
+        _EXERCISE.title, plan, timeout,
         worker=_run_average_gradients,
         args=lambda n: (average_gradients, plan.widths),
         rank_args=lambda n: CaseKeys.draw(seed, n).per_rank(),
@@ -144,6 +148,7 @@ def check_average_gradients(
         # Looked up in this module at each call: a learner's cell that patches
         # labs.checks.toy.launch changes what this check runs (the grader runs it afresh).
         launcher=launch,
+        problem=signature_problem(_EXERCISE.function, _EXERCISE.parameters, average_gradients),
     )
 
 
@@ -155,7 +160,7 @@ def _explain_error(n: int, err: RankError) -> str:
 
 
 def _explain_timeout(n: int, err: LaunchTimeout, timeout: float, where: str) -> str:
-    return (f"with {n} rank(s), rank(s) {list(err.ranks)} hung for {timeout:g} s.{where} Every "
+    return (f"with {n} rank(s), rank(s) {listed(err.ranks)} hung for {timeout:g} s.{where} Every "
             "rank must call all_reduce on the same parameters, in the same order.")
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from labs.checks.core import CheckPlan, case_values, with_drawn_world_size
+from labs.checks.exercises import spec
 from labs.zero import shard_numel
 
 STEPS = 3  #: steps of exercise 6.1 per case
@@ -51,24 +52,15 @@ class ZeroExercise(enum.Enum):
 
     @property
     def function(self) -> str:
-        return {ZeroExercise.SHARDED_STEP: "sharded_sgd_step",
-                ZeroExercise.FSDP_FORWARD: "fsdp_linear_forward",
-                ZeroExercise.REDUCE_SCATTER_GRAD: "reduce_scatter_grad",
-                ZeroExercise.GRAD_HOOK: "zero2_grad_hook",
-                ZeroExercise.FSDP_BACKWARD: "fsdp_linear_backward"}[self]
+        return spec(self.value).function
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        return {ZeroExercise.SHARDED_STEP: ("params", "momentum_shards", "lr", "beta"),
-                ZeroExercise.FSDP_FORWARD: ("shard", "in_features", "out_features", "x"),
-                ZeroExercise.REDUCE_SCATTER_GRAD: ("grad",),
-                ZeroExercise.GRAD_HOOK: ("param", "grad_shards"),
-                ZeroExercise.FSDP_BACKWARD: ("shard", "in_features", "out_features", "x",
-                                             "grad_out")}[self]
+        return spec(self.value).parameters
 
     @property
     def title(self) -> str:
-        return f"Exercise {self.value} {self.function}"
+        return spec(self.value).title
 
     @property
     def collective(self) -> str:

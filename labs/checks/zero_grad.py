@@ -60,7 +60,6 @@ from labs.checks.zero import (
     RTOL,
     all_reduce_refused,
     elements_text,
-    settle,
     shard_size_died,
 )
 from labs.checks.zero_cases import ZeroExercise, shard_of
@@ -76,6 +75,7 @@ from labs.checks.zero_grad_cases import (
     linear_batch,
     linear_flat,
 )
+from labs.checks.zero_ranks import settle
 from labs.launcher import LaunchTimeout, RankError
 from labs.memory import AllocationTracker
 from labs.zero import shard_numel

@@ -5,7 +5,8 @@ notebook turns into tables (:mod:`labs.tables`) and figures (:mod:`labs.viz`).
   across ranks;
 * :mod:`labs.experiments.timing` - the timing of one collective as the slowest rank sees it;
   :mod:`labs.experiments.p2p_timing` - of a point-to-point message and of an addition (what
-  the cost model is fitted on); :mod:`labs.experiments.sweep` - chapter 2's sweep of
+  the cost model is fitted on), and :mod:`labs.experiments.cost_fit` - that fit, and how far
+  a measurement is from the model; :mod:`labs.experiments.sweep` - chapter 2's sweep of
   every collective and size against torch's built-in ones (also ``python -m labs.bench
   collectives``);
 * :mod:`labs.experiments.ddp` - chapter 5: step times, backward timelines, accumulation, the

@@ -20,8 +20,8 @@ from labs.activations import (
     measure_alive,
     recomputed_modules,
 )
-from labs.experiments.ddp import StepSettings, mlp
 from labs.fsdp import FSDP
+from labs.models import StepSettings, mlp
 from labs.train import CHARS, TinyTransformer
 
 # --- the chapter's transformer -------------------------------------------------------------------
@@ -105,7 +105,7 @@ CHAPTER_MODEL = ActivationSettings(batch=8, seq_len=64, d_model=64, n_heads=4, n
 
 
 def mlp_workload(settings: StepSettings, seed: int = 0) -> Workload:
-    """Chapter 5/6's MLP (:func:`labs.experiments.ddp.mlp`), a random (batch, width) input and
+    """Chapter 5/6's MLP (:func:`labs.models.mlp`), a random (batch, width) input and
     :func:`mean_square_loss`."""
     x = torch.randn(settings.batch, settings.width,
                     generator=torch.Generator().manual_seed(seed + 1))  # (B, W)

@@ -26,7 +26,6 @@ Every ``*_worker`` runs inside a rank; ranks import this module, so it imports n
 
 from __future__ import annotations
 
-import enum
 import statistics
 import time
 import warnings
@@ -41,7 +40,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from labs.collectives import Algorithm, Recorder, ring_all_reduce, shard_bounds
 from labs.cost_model import TopologyAlgorithm, bytes_across_nodes
 from labs.ddp import DDP
-from labs.experiments.ddp import StepSettings, mlp
 from labs.experiments.mesh import device_mesh_available
 from labs.experiments.zero import Group, holdings
 from labs.fsdp import FSDP, check_shard_size
@@ -49,19 +47,15 @@ from labs.fsdp_torch import apply_fully_shard, fully_shard_available
 from labs.launcher import launch, rank_device
 from labs.link import Link, Topology
 from labs.memory import MemoryTimeline
+from labs.models import StepSettings, mlp
 from labs.tables import format_table
-from labs.wrappers import Wrapper
+from labs.wrappers import HSDP_STRATEGIES, Wrapper
 
 
-class Strategy(enum.Enum):
-    """How the training state is spread over the N ranks (the value is its table label)."""
-
-    DDP = "DDP"
-    """:class:`labs.ddp.DDP`: everything replicated, the gradients all-reduced over all N."""
-    FSDP = "FSDP"
-    """:class:`labs.fsdp.FSDP`: everything sharded over all N ranks."""
-    HSDP = "HSDP"
-    """``FSDP(shard_size=g)``: sharded inside each group of g, replicated across groups."""
+def label(strategy: Wrapper) -> str:
+    """A strategy's name in this chapter's tables: the member's name ("FSDP"), since the three
+    stand side by side here (the enum's value, "FSDP (ZeRO-3)", names chapter 6's stage)."""
+    return strategy.name
 
 
 @dataclass(frozen=True)
@@ -103,7 +97,7 @@ LAB_SETTINGS = HsdpSettings()
 class RankMeasurement:
     """One rank's numbers for one strategy."""
 
-    strategy: Strategy
+    strategy: Wrapper
     rank: int
     held: int
     """Bytes of parameters + gradients + optimizer state after the last optimizer step."""
@@ -116,12 +110,12 @@ class RankMeasurement:
     of the shard count for FSDP and HSDP)."""
 
 
-def _model(strategy: Strategy, settings: HsdpSettings, collectives: Algorithm = Algorithm.TORCH,
+def _model(strategy: Wrapper, settings: HsdpSettings, collectives: Algorithm = Algorithm.TORCH,
            recorder: Recorder | None = None, across: Recorder | None = None) -> nn.Module:
     net = mlp(settings.step_settings).to(rank_device())
-    if strategy is Strategy.DDP:
+    if strategy is Wrapper.DDP:
         return DDP(net)
-    shard_size = settings.shard_size if strategy is Strategy.HSDP else None
+    shard_size = settings.shard_size if strategy is Wrapper.HSDP else None
     return FSDP(net, collectives=collectives, recorder=recorder, shard_size=shard_size,
                 replicate_recorder=across)
 
@@ -131,7 +125,7 @@ def _batch(rank: int, settings: HsdpSettings) -> torch.Tensor:
                        generator=torch.Generator().manual_seed(rank)).to(rank_device())
 
 
-def held_bytes(rank: int, strategy: Strategy, settings: HsdpSettings) -> int:
+def held_bytes(rank: int, strategy: Wrapper, settings: HsdpSettings) -> int:
     """Train ``settings.steps`` Adam steps; the bytes of parameters, gradients and optimizer
     state this rank holds after the last step (chapter 6's accounting:
     :func:`labs.experiments.zero.holdings`; DDP's buckets are communication buffers, not
@@ -145,7 +139,7 @@ def held_bytes(rank: int, strategy: Strategy, settings: HsdpSettings) -> int:
         model(x).square().mean().backward()
         model.finish_gradient_synchronization()  # type: ignore[operator]
         optimizer.step()
-    wrapper = Wrapper.DDP if strategy is Strategy.DDP else Wrapper.FSDP
+    wrapper = Wrapper.DDP if strategy is Wrapper.DDP else Wrapper.FSDP  # HSDP holds as FSDP
     snapshot = MemoryTimeline(rank).record("after optimizer step",
                                            **holdings(wrapper, model, optimizer))
     by_group = snapshot.bytes_by_group()
@@ -153,7 +147,7 @@ def held_bytes(rank: int, strategy: Strategy, settings: HsdpSettings) -> int:
                                                   Group.OPTIMIZER))
 
 
-def step_traffic(rank: int, world_size: int, strategy: Strategy, settings: HsdpSettings
+def step_traffic(rank: int, world_size: int, strategy: Wrapper, settings: HsdpSettings
                  ) -> tuple[int, int, int]:
     """(bytes sent inside the group, across groups, S) in one step with labs' ring.
 
@@ -162,7 +156,7 @@ def step_traffic(rank: int, world_size: int, strategy: Strategy, settings: HsdpS
     g = settings.shard_size
     right_is_across = (rank + 1) % world_size // g != rank // g
     x = _batch(rank, settings)
-    if strategy is Strategy.DDP:
+    if strategy is Wrapper.DDP:
         recorder = Recorder()
         net = mlp(settings.step_settings).to(rank_device())
         net(x).square().mean().backward()
@@ -172,12 +166,12 @@ def step_traffic(rank: int, world_size: int, strategy: Strategy, settings: HsdpS
         return (0, sent, size) if right_is_across else (sent, 0, size)
     inside, across = Recorder(), Recorder()
     model = _model(strategy, settings, Algorithm.RING, inside,
-                   across if strategy is Strategy.HSDP else None)
+                   across if strategy is Wrapper.HSDP else None)
     assert isinstance(model, FSDP)
     model(x).square().mean().backward()
     model.finish_gradient_synchronization()
     size = sum(4 * u.padded_numel for u in model.units)
-    if strategy is Strategy.HSDP:
+    if strategy is Wrapper.HSDP:
         return inside.stats.bytes_sent, across.stats.bytes_sent, size
     sent = inside.stats.bytes_sent
     return (0, sent, size) if right_is_across else (sent, 0, size)
@@ -189,7 +183,7 @@ def hsdp_worker(rank: int, world_size: int, settings: HsdpSettings
     if world_size != settings.world_size:
         raise ValueError(f"launched on {world_size} ranks, settings say {settings.world_size}.")
     out = []
-    for strategy in Strategy:
+    for strategy in HSDP_STRATEGIES:
         held = held_bytes(rank, strategy, settings)
         out.append(RankMeasurement(strategy, rank, held,
                                    *step_traffic(rank, world_size, strategy, settings)))
@@ -200,7 +194,7 @@ def hsdp_worker(rank: int, world_size: int, settings: HsdpSettings
 class HsdpRow:
     """One strategy over all ranks, with the closed forms."""
 
-    strategy: Strategy
+    strategy: Wrapper
     settings: HsdpSettings
     held: int
     """Rank 0's bytes of parameters + gradients + optimizer state."""
@@ -216,8 +210,8 @@ class HsdpRow:
     @property
     def shards(self) -> int:
         """How many shards each tensor is cut into: 1, N or g."""
-        return {Strategy.DDP: 1, Strategy.FSDP: self.settings.world_size,
-                Strategy.HSDP: self.settings.shard_size}[self.strategy]
+        return {Wrapper.DDP: 1, Wrapper.FSDP: self.settings.world_size,
+                Wrapper.HSDP: self.settings.shard_size}[self.strategy]
 
     @property
     def expected_inside(self) -> float:
@@ -225,9 +219,9 @@ class HsdpRow:
         3(N-1)/N·S) send inside from the N - n ranks whose right neighbour shares their
         group; HSDP: every rank, 3(g-1)/g·S."""
         n_ranks, g, n = self.settings.world_size, self.settings.shard_size, self.settings.groups
-        if self.strategy is Strategy.HSDP:
+        if self.strategy is Wrapper.HSDP:
             return n_ranks * 3 * (g - 1) / g * self.size
-        per_rank = (2 if self.strategy is Strategy.DDP else 3) * (n_ranks - 1) / n_ranks
+        per_rank = (2 if self.strategy is Wrapper.DDP else 3) * (n_ranks - 1) / n_ranks
         boundary = n if n > 1 else 0
         return (n_ranks - boundary) * per_rank * self.size
 
@@ -239,9 +233,9 @@ class HsdpRow:
         n_ranks, n = self.settings.world_size, self.settings.groups
         if n == 1:
             return 0.0
-        if self.strategy is Strategy.HSDP:
+        if self.strategy is Wrapper.HSDP:
             return 2 * (n - 1) * self.size
-        per_rank = (2 if self.strategy is Strategy.DDP else 3) * (n_ranks - 1) / n_ranks
+        per_rank = (2 if self.strategy is Wrapper.DDP else 3) * (n_ranks - 1) / n_ranks
         return n * per_rank * self.size
 
 
@@ -249,7 +243,7 @@ def rows_from(settings: HsdpSettings, per_rank: Sequence[Sequence[RankMeasuremen
               ) -> list[HsdpRow]:
     """Sum the ranks' measurements into one row per strategy."""
     rows = []
-    for strategy in Strategy:
+    for strategy in HSDP_STRATEGIES:
         mine = [m for ms in per_rank for m in ms if m.strategy is strategy]
         rank0 = next(m for m in mine if m.rank == 0)
         rows.append(HsdpRow(strategy, settings, rank0.held, sum(m.inside for m in mine),
@@ -269,10 +263,10 @@ def measure_hsdp(settings: HsdpSettings = LAB_SETTINGS, timeout: float = 300.0
 def hsdp_table(rows: Sequence[HsdpRow]) -> str:
     """Bytes held per rank (and as a fraction of DDP's) and bytes sent per step inside and
     across groups, measured beside the closed forms."""
-    ddp = next((r.held for r in rows if r.strategy is Strategy.DDP), None)
+    ddp = next((r.held for r in rows if r.strategy is Wrapper.DDP), None)
     header = ["strategy", "shards", "held per rank (B)", "/ DDP", "inside (B)", "closed form",
               "across (B)", "closed form", "across, max rank (B)"]
-    body = [[r.strategy.value, r.shards, r.held, f"{r.held / ddp:.3f}" if ddp else "-",
+    body = [[label(r.strategy), r.shards, r.held, f"{r.held / ddp:.3f}" if ddp else "-",
              r.inside, round(r.expected_inside), r.across, round(r.expected_across),
              r.across_max] for r in rows]
     return format_table(header, body)
@@ -321,7 +315,7 @@ LINK_SETTINGS = HsdpLinkSettings()
 class StepOnLink:
     """One rank's timed steps of one strategy on the topology."""
 
-    strategy: Strategy
+    strategy: Wrapper
     rank: int
     seconds: list[float]  #: per timed step, from a barrier to after optimizer.step()
     sent: list[int]  #: per timed step, bytes this rank sent
@@ -342,7 +336,7 @@ def _sizes(total: int, parts: int) -> list[int]:
     return [bounds[i + 1] - bounds[i] for i in range(parts)]
 
 
-def expected_across_per_rank(strategy: Strategy, settings: HsdpSettings) -> list[int]:
+def expected_across_per_rank(strategy: Wrapper, settings: HsdpSettings) -> list[int]:
     """Exact bytes each rank sends to other nodes in one step (nodes = groups of g
     consecutive ranks, n = N/g of them), fp32, index = global rank:
 
@@ -361,11 +355,11 @@ def expected_across_per_rank(strategy: Strategy, settings: HsdpSettings) -> list
     numels = _unit_numels(settings)
     if n == 1:
         return [0] * n_ranks
-    if strategy is Strategy.DDP:
+    if strategy is Wrapper.DDP:
         return bytes_across_nodes(TopologyAlgorithm.FLAT_RING, sum(numels), 4, n_ranks, g)
     out = [0] * n_ranks
     for numel in numels:
-        if strategy is Strategy.FSDP:
+        if strategy is Wrapper.FSDP:
             padded = -(-numel // n_ranks) * n_ranks
             for r in range(g - 1, n_ranks, g):
                 out[r] += 3 * (n_ranks - 1) * (padded // n_ranks) * 4
@@ -404,13 +398,13 @@ def hsdp_step_worker(rank: int, world_size: int, settings: HsdpLinkSettings
     g = model_settings.shard_size
     x = _batch(rank, model_settings)
     out = []
-    for strategy in Strategy:
+    for strategy in HSDP_STRATEGIES:
         recorder = Recorder(node_size=g)
         net = mlp(model_settings.step_settings).to(rank_device())
         model: nn.Module = net
-        if strategy is not Strategy.DDP:  # one recorder for inside and across
+        if strategy is not Wrapper.DDP:  # one recorder for inside and across
             model = FSDP(net, collectives=Algorithm.RING, recorder=recorder,
-                         shard_size=g if strategy is Strategy.HSDP else None)
+                         shard_size=g if strategy is Wrapper.HSDP else None)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         seconds, sent, across, losses = [], [], [], []
         for step in range(settings.warmup + model_settings.steps):
@@ -439,7 +433,7 @@ def hsdp_step_worker(rank: int, world_size: int, settings: HsdpLinkSettings
 class HsdpLinkRow:
     """One strategy on the topology, over all ranks."""
 
-    strategy: Strategy
+    strategy: Wrapper
     seconds: list[float]  #: per timed step, the slowest rank's
     across: list[int]  #: per rank, bytes sent to other nodes in one step (the last one)
     expected_across: list[int]  #: :func:`expected_across_per_rank`
@@ -460,7 +454,7 @@ def link_rows_from(settings: HsdpLinkSettings, per_rank: Sequence[Sequence[StepO
                    ) -> list[HsdpLinkRow]:
     """Combine the ranks' :class:`StepOnLink` into one row per strategy."""
     rows = []
-    for strategy in Strategy:
+    for strategy in HSDP_STRATEGIES:
         mine = sorted((m for ms in per_rank for m in ms if m.strategy is strategy),
                       key=lambda m: m.rank)
         seconds = [max(t) for t in zip(*(m.seconds for m in mine), strict=True)]
@@ -486,7 +480,7 @@ def hsdp_link_table(rows: Sequence[HsdpLinkRow]) -> str:
     step (all ranks, the busiest rank), measured beside the closed form."""
     header = ["strategy", "step (s)", "range (s)", "across, all ranks (B)", "closed form",
               "across, max rank (B)", "inside, all ranks (B)"]
-    body = [[r.strategy.value, f"{r.median:.3f}",
+    body = [[label(r.strategy), f"{r.median:.3f}",
              f"{r.spread[0]:.3f}-{r.spread[1]:.3f}", sum(r.across), sum(r.expected_across),
              max(r.across), sum(r.inside)] for r in rows]
     return format_table(header, body)

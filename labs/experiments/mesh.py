@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from labs.collectives import Algorithm
+from labs.grid import GridLayout, ProcessGrid
 from labs.launcher import MAX_WORLD_SIZE, launch
 from labs.tables import format_table
 from labs.tensor_parallel import ParallelMLP, Pass, all_reduce_bytes
@@ -103,20 +104,23 @@ class MeshSettings:
     def world_size(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    @property
+    def layout(self) -> GridLayout:
+        """The mesh as a :class:`labs.grid.GridLayout`: dims ``dim_names`` of sizes ``shape``."""
+        return GridLayout(self.dim_names, self.shape)
+
     def coordinate(self, rank: int) -> tuple[int, int]:
         """(row, column) of ``rank`` on the mesh: its node and its place in the node."""
-        return divmod(rank, self.shape[1])
+        row, column = self.layout.coordinate(rank)
+        return row, column
 
     def groups(self, dim: int) -> list[tuple[int, ...]]:
         """The groups of global ranks along mesh dimension ``dim``: ranks that differ only in
         their coordinate on ``dim``. Dim 1: the rows, {i*s, ..., i*s + s-1}; dim 0: the
         columns, {j, j+s, j+2s, ...} (s = shape[1])."""
-        nodes, per_node = self.shape
-        if dim == 1:
-            return [tuple(i * per_node + j for j in range(per_node)) for i in range(nodes)]
-        if dim == 0:
-            return [tuple(i * per_node + j for i in range(nodes)) for j in range(per_node)]
-        raise ValueError(f"a 2-D mesh has dims 0 and 1, got {dim}")
+        if dim not in (0, 1):
+            raise ValueError(f"a 2-D mesh has dims 0 and 1, got {dim}")
+        return self.layout.groups(self.dim_names[dim])
 
     def full_tensor(self) -> torch.Tensor:
         """The DTensor's global value: (rows, cols) float32, ``0, 1, 2, ...`` row by row."""
@@ -164,17 +168,11 @@ def members(group: ProcessGroup | None) -> tuple[int, ...]:
 
 
 def new_group_mesh(settings: MeshSettings) -> dict[str, ProcessGroup]:
-    """This rank's group along each mesh dim, built with ``dist.new_group``. Every rank must
-    create every group, in the same order (new_group is collective over the whole world),
-    and keeps the one it belongs to."""
-    rank = dist.get_rank()
-    mine: dict[str, ProcessGroup] = {}
-    for dim, name in enumerate(settings.dim_names):
-        for ranks in settings.groups(dim):
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine[name] = group
-    return mine
+    """This rank's group along each mesh dim, built with ``dist.new_group`` by
+    :class:`labs.grid.ProcessGrid`: every rank creates every group, in the same order
+    (new_group is collective over the whole world), and keeps the one it belongs to."""
+    grid = ProcessGrid.build(settings.layout)
+    return {name: grid[name] for name in settings.dim_names}
 
 
 def mesh_worker(rank: int, world_size: int, settings: MeshSettings) -> MeshReport:

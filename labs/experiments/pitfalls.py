@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labs.experiments.ddp import synchronise
 from labs.launcher import rank_device
-from labs.wrappers import Wrapper, wrap
+from labs.wrappers import Wrapper, synchronise, wrap
 
 
 class TwoHeads(nn.Module):

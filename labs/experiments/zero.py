@@ -3,7 +3,7 @@ FSDP (bytes of the tensors it holds, at every moment of a step), the bytes each 
 and the memory arithmetic (bytes per parameter) they are compared with.
 
 Every ``*_worker`` runs inside a rank; ranks import this module, so it imports no plotting.
-The model is chapter 5's MLP (:class:`labs.experiments.ddp.StepSettings`), trained with Adam.
+The model is chapter 5's MLP (:class:`labs.models.StepSettings`), trained with Adam.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch import nn
 
 from labs.collectives import Algorithm, Recorder, ring_all_reduce
 from labs.ddp import DDP
-from labs.experiments.ddp import StepSettings, mlp
 from labs.fsdp import FSDP, Event, default_units
 from labs.launcher import launch, rank_device
 from labs.memory import MemorySnapshot, MemoryTimeline
+from labs.models import StepSettings, mlp
 from labs.wrappers import ZERO_STAGES, Wrapper, build
 from labs.zero import ShardedOptimizer, ZeroStage, shard_numel
 

@@ -1,7 +1,8 @@
 """Figures and widget panels (matplotlib and ipywidgets; the ranks never import this package).
 
 * :mod:`labs.viz.collectives` - chapters 1-4: gradient parity, the ring animation and steps,
-  traffic and timing bars;
+  traffic and timing bars; :mod:`labs.viz.cost_model` - chapter 2: the fitted cost model
+  beside the measurements;
 * :mod:`labs.viz.ddp` - chapter 5: step times, the backward timeline, its tables;
 * :mod:`labs.viz.memory` - chapters 3 and 4: what a rank holds, moment by moment (its table
   and figure), and what a block of code allocated;
@@ -9,5 +10,5 @@
 * :mod:`labs.viz.activations` and :mod:`labs.viz.recipe` - chapter 7: activation bytes per
   layer, the recipe's loss curves and memory budget;
 * :mod:`labs.viz.mesh` - chapter 8: the mesh's ranks and groups, drawn;
-* :mod:`labs.viz.widgets` - every chapter's widget panel.
+* :mod:`labs.viz.widgets` - the widget panels, one module per chapter.
 """

@@ -1,0 +1,225 @@
+"""The unit :class:`labs.fsdp.FSDP` shards: what one unit is, and which submodules become units.
+
+A unit is a group of trainable parameters flattened into one vector (:class:`FlatUnit`, PyTorch
+FSDP's ``FSDPParamGroup``): its layout (names, shapes, offsets), this rank's fp32 shard, the
+full vector that is gathered into and freed, its :class:`ShardedState`, and what its parameter
+attributes hold while it is sharded (:class:`ShardedPlaceholder`). :class:`Event` names what a
+unit goes through in a step, as FSDP's observer is told. :func:`default_units` and
+:func:`checked_units` choose the submodules that become units.
+
+Why a module of its own: :mod:`labs.fsdp` holds the algorithm, when a unit is gathered,
+freed and reduce-scattered (:class:`labs.fsdp.FSDP`); this module holds the object it moves
+between those states, as torch's ``_fully_shard`` keeps ``FSDPParamGroup`` apart from the
+state that drives it, and :mod:`labs.fsdp_collectives` the collectives that move the bytes.
+``from labs.fsdp import Event, FlatUnit, ShardedState, default_units`` keeps working.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from labs.fsdp_collectives import Reduction
+
+
+class ShardedState(enum.Enum):
+    """Whether a unit's full parameters exist right now."""
+
+    SHARDED = "sharded"
+    """Only this rank's shard is held; the full vector's storage is empty."""
+    GATHERING = "gathering"
+    """A prefetch: the all-gather into the full vector is in flight (torch collectives)."""
+    UNSHARDED = "unsharded"
+    """The full vector is gathered and the unit's parameters are views of it."""
+
+
+class Event(enum.Enum):
+    """What an :class:`~labs.fsdp.FSDP` observer is told, with the unit's name."""
+
+    UNSHARD_FORWARD = "all-gather for forward"
+    """The unit's full vector has been gathered and its forward is about to run."""
+    PREFETCH = "prefetch all-gather"
+    """The unit's all-gather has been started, before the unit that runs just ahead of it
+    computes, and is in flight (torch collectives, from the second step on: the order of the
+    previous step tells which unit comes next). Its storage is allocated from now on."""
+    RESHARD_FORWARD = "free after forward"
+    """The unit's forward is done and its gathered vector has been freed."""
+    UNSHARD_BACKWARD = "all-gather for backward"
+    """The unit's full vector has been gathered again for its backward."""
+    KEEP_GRADIENT = "keep unsharded gradient"
+    """Inside :meth:`labs.fsdp.FSDP.no_sync`: the unit's full gradient is complete and is
+    kept whole (added to what earlier micro-batches left), not reduce-scattered."""
+    REDUCE_SCATTER = "reduce-scatter gradient"
+    """The unit's full gradient is complete and its reduce-scatter is about to start."""
+    RESHARD_BACKWARD = "free after backward"
+    """The unit's gathered vector is freed again: of its parameters only the shard remains
+    (with torch collectives, its gradient's reduce-scatter may still be in flight)."""
+
+
+@dataclass
+class Place:
+    """Where a parameter lives in the module tree: ``module.<attr>``."""
+
+    module: nn.Module
+    attr: str
+
+
+@dataclass(eq=False)  # units compare by identity (the fields hold tensors)
+class FlatUnit:
+    """One unit: its parameters as one flat vector, this rank's fp32 shard, the full vector."""
+
+    name: str
+    module: nn.Module
+    names: list[list[str]]
+    """Per parameter, its names in the wrapped model (two or more when tied)."""
+    shapes: list[torch.Size]
+    places: list[list[Place]]
+    """Per parameter, every attribute that refers to it (two or more when tied)."""
+    offsets: list[int]
+    numel: int
+    """Elements of the parameters together (without padding)."""
+    shard: nn.Parameter
+    """1-D fp32, numel = ceil(numel / N): this rank's shard of the padded flat vector."""
+    full: torch.Tensor
+    """1-D, compute dtype, numel = N * shard numel, a leaf that requires grad; its storage
+    is empty while SHARDED."""
+    state: ShardedState = ShardedState.SHARDED
+    backward_pending: bool = False
+    hooks: list[Any] = field(default_factory=list)
+    gather: Any = None
+    """The in-flight all-gather's ``dist.Work`` while GATHERING."""
+    reduce: Reduction | None = None
+    """The in-flight reduce-scatter of the unit's gradient (torch collectives)."""
+    placeholders: list[ShardedPlaceholder] = field(default_factory=list)
+    """Per parameter, what its attributes hold while the unit is SHARDED."""
+    unsharded_grad: torch.Tensor | None = None
+    """Inside :meth:`labs.fsdp.FSDP.no_sync`: the sum of the micro-batches' full gradients so
+    far (1-D, padded numel, ``reduce_dtype`` or the compute dtype), reduce-scattered with the
+    first backward outside ``no_sync``."""
+
+    @property
+    def padded_numel(self) -> int:
+        return self.full.numel()
+
+    def views(self) -> Iterator[tuple[list[Place], torch.Tensor]]:
+        """Each parameter's view of the full vector. One split, not a slice per parameter:
+        in backward a split's gradient is one concatenation of the pieces' gradients, where
+        each slice would zero a full-sized tensor, copy its piece in, and the zeros be summed."""
+        sizes = [shape.numel() for shape in self.shapes]
+        pieces = self.full.split([*sizes, self.padded_numel - self.numel])
+        # zip stops before the last piece: the padding, which no parameter views
+        for places, shape, piece in zip(self.places, self.shapes, pieces, strict=False):
+            yield places, piece.view(shape)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value``: a tensor, or dicts, lists and tuples of them, nested."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+class ShardedPlaceholder(torch.Tensor):
+    """What a unit's parameter attribute holds while the unit is sharded: the parameter's
+    shape and dtype (on the meta device, no data) and an error, naming the parameter and its
+    unit, for every operation on it: its values exist only as N shards until the unit's
+    forward gathers them. (A plain meta tensor would not do: an operator given a CPU tensor
+    and a meta tensor may return uninitialised memory instead of failing; a view of the
+    freed storage would crash the process.)"""
+
+    # Skip the __torch_function__ layer: every operation goes to __torch_dispatch__, which
+    # refuses it; shape, dtype and device are read from the wrapper without an operation.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    param_name: str
+    unit_name: str
+
+    @staticmethod
+    def __new__(cls: type[ShardedPlaceholder], shape: torch.Size, dtype: torch.dtype,
+                param_name: str,
+                unit_name: str) -> ShardedPlaceholder:
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype,
+                                                          device="meta")
+        placeholder.param_name, placeholder.unit_name = param_name, unit_name
+        return placeholder
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict | None = None) -> Any:
+        found = next(t for t in tensors_in([*args, *(kwargs or {}).values()])
+                     if isinstance(t, ShardedPlaceholder))
+        raise RuntimeError(
+            f"FSDP: {func.__name__.split('.')[0]} read {found.param_name}, which belongs to "
+            f"unit {found.unit_name!r} and is sharded now: its values are gathered only while "
+            f"that unit's forward runs (and for its backward). Use a parameter only inside "
+            "the forward of the unit that holds it (not as layer.weight from another "
+            "module), or leave that module out of `units` so that its parameters go to the "
+            "root unit, gathered for the whole forward; between steps, read the parameters "
+            "with gather_full_params().")
+
+    def __repr__(self) -> str:  # printing must not run an operation
+        return (f"ShardedPlaceholder({self.param_name}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, unit={self.unit_name!r})")
+
+
+def point_at_placeholders(unit: FlatUnit) -> None:
+    """Make every attribute of the unit's parameters a :class:`ShardedPlaceholder`."""
+    if not unit.placeholders:  # made once: a unit is resharded twice a step
+        unit.placeholders = [ShardedPlaceholder(shape, unit.full.dtype, names[0], unit.name)
+                             for shape, names in zip(unit.shapes, unit.names, strict=True)]
+    for places, placeholder in zip(unit.places, unit.placeholders, strict=True):
+        for place in places:
+            setattr(place.module, place.attr, placeholder)
+
+
+#: Containers that hold modules but are never called: their parent's forward calls the
+#: modules inside, so forward hooks on the container itself never fire.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
+def checked_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]:
+    """``units`` as a list, after the checks that make a wrong one a clear error."""
+    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    chosen: list[nn.Module] = []
+    for i, unit in enumerate(units):
+        if not isinstance(unit, nn.Module):
+            raise TypeError(f"units[{i}] must be an nn.Module (a submodule of the wrapped "
+                            f"model), got {type(unit).__name__}.")
+        if unit is module:
+            raise ValueError(f"units[{i}] is the wrapped module itself, which is always the "
+                             "root unit: list only its submodules.")
+        if id(unit) not in names:
+            raise ValueError(f"units[{i}] ({type(unit).__name__}) is not a submodule of the "
+                             "wrapped module: pick units from the model passed to FSDP, e.g. "
+                             "units=list(model.layers).")
+        if isinstance(unit, _NEVER_CALLED):
+            raise ValueError(
+                f"units[{i}] ({names[id(unit)]!r}) is a {type(unit).__name__}, which is never "
+                "called (its parent calls the modules inside), so it could never gather its "
+                f"parameters: list its elements instead, e.g. units=list(model.{names[id(unit)]}).")
+        if any(unit is other for other in chosen):
+            raise ValueError(f"units[{i}] ({names[id(unit)]!r}) is listed twice.")
+        chosen.append(unit)
+    return chosen
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Every direct child with trainable parameters: the layers of a Sequential, the blocks
+    of a transformer if they are its children. A ModuleList or ModuleDict child contributes
+    its elements instead (it is never called, so it could not gather for them)."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, _NEVER_CALLED):
+            units += default_units(child)
+        elif any(p.requires_grad for p in child.parameters()):
+            units.append(child)
+    return units

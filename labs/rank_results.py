@@ -1,0 +1,102 @@
+"""What a launch hands back (:func:`labs.launcher.launch`): the ranks' results, how the launch
+ended, and what each rank printed.
+
+:class:`RankResults` is the list of per-rank return values with what each rank printed and, with
+``count_writes``, the bytes it wrote. The launcher's supervision ends in one of :class:`Done`,
+:class:`Failed` or :class:`TimedOut`. A rank that reports as plain data
+(:mod:`labs.plain_results`) sends its failure as plain fields, read back by
+:func:`plain_failure`. A rank's output goes to files (fd 1 and 2): :func:`read_output` reads
+them back, the launcher drops gloo's connection lines (:data:`GLOO_CONNECTED`), and
+:func:`echo_output` shows them in rank order. Kept apart from the launcher's process handling
+(:mod:`labs.launcher`); ``from labs import RankResults`` keeps working.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from labs import plain_results
+from labs.launch_inputs import Backend
+from labs.rank_errors import RankFailure
+
+#: The line gloo writes to stdout each time a process group connects, in some torch releases
+#: (2.8 and 2.9; not 2.11 or 2.13). It is dropped from what a rank printed when every peer
+#: connected; a line whose two counts differ is kept, since it reports a connection that failed.
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                            r"Expected number of connected peer ranks is : \1\n?", re.MULTILINE)
+
+
+class RankResults(list):
+    """The per-rank return values in rank order (a plain list), plus what each rank printed.
+
+    Attributes:
+        stdout, stderr: captured text per rank (index = rank).
+        backend: the backend the ranks used.
+        seconds: wall time of the launch.
+        written: with ``count_writes``, the bytes each rank wrote by its own system calls
+            (``wchar`` of ``/proc/PID/io``, counted by the kernel) up to the moment every
+            rank had reported, less what it wrote to its output and its report: its messages
+            (gloo writes each one), and any file it wrote. None otherwise.
+    """
+
+    stdout: list[str]
+    stderr: list[str]
+    backend: Backend
+    seconds: float
+    written: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """Every rank reported a result (and, with ``count_writes``, what each wrote)."""
+
+    values: dict[int, bytes]
+    written: dict[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """At least one rank raised or died: the failures seen before the grace ran out."""
+
+    failures: list[RankFailure]
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """The deadline passed with these ranks still running."""
+
+    ranks: list[int]
+
+
+def plain_failure(rank: int, fields: dict[Any, Any]) -> RankFailure:
+    """The RankFailure a plain report describes, its fields checked (strings, a time)."""
+    texts = {k: fields.get(k) for k in ("exc_type", "message", "traceback")}
+    if not all(isinstance(v, str) for v in texts.values()) or not isinstance(
+            fields.get("when"), (int, float)):
+        raise plain_results.NotPlain("a failure whose fields are not strings and a time")
+    return RankFailure(rank=rank, exc_type=texts["exc_type"], message=texts["message"],
+                       traceback=texts["traceback"], when=float(fields["when"]))
+
+
+def read_output(path: str) -> str:
+    """A file a rank wrote (its output, or its stack dump), or "" when it wrote none."""
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def echo_output(stdout: list[str], stderr: list[str]) -> None:
+    """Show what each rank printed, in rank order (deterministic, unlike live interleaving)."""
+    for rank, text in enumerate(stdout):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}", file=sys.stdout)
+    for rank, text in enumerate(stderr):
+        for line in text.splitlines():
+            print(f"[rank {rank}] {line}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
