@@ -1,5 +1,6 @@
 """Shared test helpers: which processes a test left running, a guard against any process
-starting (for input that must be refused first), and GPU-only tests.
+starting (for input that must be refused first), GPU-only tests, and ``assert_fails`` (what
+every test of an exercise check's wrong answers asserts).
 
 Ranks are forked from multiprocessing's forkserver helper, a child of the test process; the
 forkserver in turn needs multiprocessing's resource tracker, also a child of the test process.
