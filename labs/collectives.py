@@ -20,6 +20,7 @@ naive (reduce to root, broadcast)      root (N-1)·S, others S          2(N-1) a
 whole-tensor ring                      (N-1)·S                          N-1
 ring (reduce-scatter + all-gather)     2(N-1)/N·S                       2(N-1)
 recursive doubling (N a power of 2)    log2(N)·S                        log2 N
+halving-doubling (N a power of 2)      2(N-1)/N·S                       2·log2 N
 =====================================  ==============================  ===================
 
 The ring is bandwidth-optimal (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from labs.grid import ProcessGrid, node_layout  # the hierarchical all-reduce's node grid
+from labs.halving_doubling import halving_doubling_all_reduce as halving_doubling_all_reduce
 
 # The point-to-point plumbing and the ring's schedule live in their own modules; the names a
 # caller of the collectives needs are re-exported here.
@@ -379,6 +381,8 @@ class Algorithm(enum.Enum):
     WHOLE_TENSOR_RING = "whole-tensor ring"  #: :func:`whole_tensor_ring_all_reduce` (idem)
     RING = "ring"  #: :func:`ring_all_reduce`, :func:`ring_reduce_scatter`, :func:`ring_all_gather`
     RECURSIVE_DOUBLING = "recursive doubling"  #: :func:`recursive_doubling_all_reduce` (idem)
+    #: :func:`labs.halving_doubling.halving_doubling_all_reduce` (Rabenseifner's; all-reduce only)
+    HALVING_DOUBLING = "halving-doubling"
     TORCH = "torch"  #: torch.distributed's own collective (gloo or NCCL picks its algorithm)
 
 
@@ -418,6 +422,7 @@ def all_reduce(
         Algorithm.WHOLE_TENSOR_RING: whole_tensor_ring_all_reduce,
         Algorithm.RING: ring_all_reduce,
         Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
+        Algorithm.HALVING_DOUBLING: halving_doubling_all_reduce,
     }[algorithm]
     return fn(tensor, op, group, recorder=recorder)
 

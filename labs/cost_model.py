@@ -110,6 +110,12 @@ def coefficients(
       messages go one way, so an alpha and beta fitted to exchanges overestimate them).
     * whole-tensor ring: N-1 steps, each passing S and adding S:
       ``(N-1)(alpha + S beta + S gamma)``.
+    * halving-doubling, N a power of two: log2 N halving rounds (S/2, S/4, ..., S/N swapped
+      and added) and log2 N doubling rounds (the same sizes swapped back):
+      ``2 log2 N alpha + 2(N-1)/N S beta + (N-1)/N S gamma``. Otherwise, with P the largest
+      power of two below N, the fold and the hand-back of recursive doubling around the
+      rounds among P ranks: ``(2 log2 P + 2) alpha + (2(P-1)/P + 2) S beta + ((P-1)/P + 1) S
+      gamma``.
 
     Reduce-scatter and all-gather by ring: one phase of the all-reduce ring,
     ``(N-1)(alpha + S/N beta)``, plus ``(N-1) S/N gamma`` for the reduce-scatter.
@@ -136,6 +142,11 @@ def coefficients(
         if n & (n - 1) == 0:
             return Coefficients(rounds, rounds, rounds)
         return Coefficients(rounds + 2, rounds + 2, rounds + 1)
+    if algorithm is Algorithm.HALVING_DOUBLING:
+        rounds = n.bit_length() - 1
+        share = ((1 << rounds) - 1) / (1 << rounds)  # (P-1)/P
+        fold = 0 if n & (n - 1) == 0 else 1
+        return Coefficients(2 * rounds + 2 * fold, 2 * share + 2 * fold, share + fold)
     if algorithm is Algorithm.NAIVE:
         return Coefficients(2 * steps, 2 * steps, steps)
     return Coefficients(steps, steps, steps)  # WHOLE_TENSOR_RING
@@ -185,7 +196,8 @@ def crossover_bytes(
 #: The all-reduces :func:`predict_on_link` prices: every one built on labs' point-to-point layer
 #: (torch's built-in sends its own messages, which the link does not carry).
 LINK_ALGORITHMS: tuple[Algorithm, ...] = (Algorithm.NAIVE, Algorithm.WHOLE_TENSOR_RING,
-                                          Algorithm.RING, Algorithm.RECURSIVE_DOUBLING)
+                                          Algorithm.RING, Algorithm.RECURSIVE_DOUBLING,
+                                          Algorithm.HALVING_DOUBLING)
 
 
 def predict_on_link(
@@ -219,6 +231,10 @@ def predict_on_link(
       overlap the rounds in part: the time lies between (log2 P + 1)(alpha + B) and
       (log2 P + 2)(alpha + B), where it depends on which partners the late ranks meet.
     * whole-tensor ring: ``(N-1)(alpha + B)``.
+    * halving-doubling, N = 2^k: ``2 log2 N alpha + 2(N-1)/N B``: k swaps of S/2, ..., S/N, then
+      the same swaps back. Other N: the schedule of recursive doubling's fold and hand-back
+      around those rounds among P ranks, each swap of m bytes ending at
+      ``max(t_x, t_y + alpha) + m/bw`` as above.
 
     Additions are not priced: a rank adds what it received at memory speed, far faster than a
     link chosen to be slow carries it (chapter 2 measures both before choosing its link).
@@ -246,20 +262,27 @@ def predict_on_link(
         chunk = size_bytes / n
         segment = chunk if segment_bytes is None else min(chunk, segment_bytes)
         return alpha + chunk / bw + (2 * n - 3) * max(chunk / bw, alpha + segment / bw)
-    return _doubling_on_link(n, alpha, whole)
+    power = 1 << (n.bit_length() - 1)
+    if algorithm is Algorithm.RECURSIVE_DOUBLING:
+        swaps = [(1 << j, whole) for j in range(power.bit_length() - 1)]
+    else:  # halving (S/2 with the farthest partner first, ..., S/P), then doubling back
+        halving = [(power >> (j + 1), whole / (2 << j)) for j in range(power.bit_length() - 1)]
+        swaps = halving + halving[::-1]
+    return _swaps_on_link(n, alpha, whole, swaps)
 
 
-def _doubling_on_link(world_size: int, alpha: float, whole: float) -> float:
-    """Recursive doubling on the link (``whole`` = S/bw): the rounds of the P = 2^k ranks
-    that remain after the fold, each a swap that ends at ``max(t_x, t_y + alpha) + whole`` on
-    rank x (its incoming port is free from t_x on, and y's message left at t_y)."""
+def _swaps_on_link(world_size: int, alpha: float, whole: float,
+                   swaps: list[tuple[int, float]]) -> float:
+    """Seconds of a schedule of pairwise swaps (distance, seconds of its bytes on the wire)
+    among the P = 2^k ranks that remain after recursive doubling's fold (``whole`` = S/bw).
+    Each swap ends at ``max(t_x, t_y + alpha) + m/bw`` on rank x (its incoming port is free
+    from t_x on, and y's message left at t_y); the fold makes the first R virtual ranks start
+    at alpha + S/bw, and the hand-back to the even ranks adds alpha + S/bw after them."""
     power = 1 << (world_size.bit_length() - 1)
     extra = world_size - power
     ready = [alpha + whole if v < extra else 0.0 for v in range(power)]  # virtual ranks
-    mask = 1
-    while mask < power:
-        ready = [max(ready[v], ready[v ^ mask] + alpha) + whole for v in range(power)]
-        mask <<= 1
+    for distance, seconds in swaps:
+        ready = [max(ready[v], ready[v ^ distance] + alpha) + seconds for v in range(power)]
     folded = [t + alpha + whole for t in ready[:extra]]  # the hand-back to the even ranks
     return max(ready + folded)
 

@@ -58,6 +58,7 @@ from labs.collectives import (
     backend_for_device,
     builtin_reduce_scatter,
     exchange,
+    halving_doubling_all_reduce,
     naive_all_reduce,
     recursive_doubling_all_reduce,
     reduce_scatter,
@@ -306,6 +307,7 @@ class Variant(enum.Enum):
     WHOLE_TENSOR_RING = "all_reduce(algorithm=WHOLE_TENSOR_RING)"
     RING = "all_reduce(algorithm=RING)  (pipelined, default segment)"
     RECURSIVE_DOUBLING = "all_reduce(algorithm=RECURSIVE_DOUBLING)"
+    HALVING_DOUBLING = "all_reduce(algorithm=HALVING_DOUBLING)"
     TORCH = "all_reduce(algorithm=TORCH)"
     RING_LOCKSTEP = "ring_all_reduce(segment_bytes=None)"
     RING_SEGMENT8_WINDOW1 = "ring_all_reduce(segment_bytes=8, window=1)"
@@ -674,13 +676,36 @@ def expected_traffic(variant: enum.Enum, numel: int, world_size: int, rank: int)
             Traffic(1, size, 1, size)
     if variant is Variant.WHOLE_TENSOR_RING:
         return Traffic(n - 1, (n - 1) * size, n - 1, (n - 1) * size)
-    assert variant is Variant.RECURSIVE_DOUBLING, variant
     power = 1 << (n.bit_length() - 1)
     rounds, extra = power.bit_length() - 1, n - power
     if r < 2 * extra and r % 2 == 0:  # hands its tensor to r+1 and gets the answer back
         return Traffic(1, size, 1, size)
-    hops = rounds + (1 if r < 2 * extra else 0)
+    folded = 1 if r < 2 * extra else 0  # takes in r-1's tensor, hands the result back
+    if variant is Variant.HALVING_DOUBLING:
+        return halving_doubling_traffic(numel, power, r // 2 if folded else r - extra, folded)
+    assert variant is Variant.RECURSIVE_DOUBLING, variant
+    hops = rounds + folded
     return Traffic(hops, hops * size, hops, hops * size)
+
+
+def halving_doubling_traffic(numel: int, power: int, virtual: int, folded: int) -> Traffic:
+    """Virtual rank v of P = ``power``: in the halving round at distance d it sends the half
+    of its chunk range whose bit d differs from v's and receives the half it keeps; the
+    doubling rounds send what it holds and receive the other half, so each phase moves the
+    same elements the other way. An empty half is no message."""
+    sizes = [len(c) for c in torch.tensor_split(torch.empty(numel), power)]
+    halves: list[tuple[int, int]] = []  # (elements kept, elements given) per round
+    low, high, distance = 0, power, power // 2
+    while distance:
+        middle = (low + high) // 2
+        lower, upper = sum(sizes[low:middle]), sum(sizes[middle:high])
+        halves.append((lower, upper) if virtual & distance == 0 else (upper, lower))
+        low, high = (low, middle) if virtual & distance == 0 else (middle, high)
+        distance //= 2
+    messages = sum(1 for kept, given in halves for m in (kept, given) if m)  # both phases
+    moved = 4 * sum(kept + given for kept, given in halves)
+    size = 4 * numel * folded
+    return Traffic(messages + folded, moved + size, messages + folded, moved + size)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -711,6 +736,12 @@ def test_recorder_counts_match_the_closed_forms_and_the_trace_follows_the_ring(w
             if n & (n - 1) == 0 and doubling.bytes_sent != (n.bit_length() - 1) * size:
                 problems.append(f"N={n} numel {numel}: recursive doubling sent "
                                 f"{doubling.bytes_sent} B")
+            halving = found[Variant.HALVING_DOUBLING, numel]
+            if n & (n - 1) == 0 and numel % n == 0 and numel and (
+                    halving.bytes_sent != 2 * (n - 1) * size // n
+                    or halving.messages_sent != 2 * (n.bit_length() - 1)):
+                problems.append(f"N={n} numel {numel}: halving-doubling sent "
+                                f"{halving.bytes_sent} B in {halving.messages_sent} messages")
     report(problems)
     check_trace([found["trace"] for found in ranks], n)
 
@@ -1017,7 +1048,7 @@ def all_reduce_calls() -> dict[str, object]:
     }
     calls |= {f.__name__: f for f in (naive_all_reduce, whole_tensor_ring_all_reduce,
                                       ring_all_reduce, recursive_doubling_all_reduce,
-                                      ring_reduce_scatter)}
+                                      halving_doubling_all_reduce, ring_reduce_scatter)}
     calls |= {f"reduce_scatter({a.name})": (lambda x, op, a=a: reduce_scatter(x, op, algorithm=a))
               for a in (Algorithm.RING, Algorithm.TORCH)}
     return calls
@@ -1076,7 +1107,8 @@ def test_calling_outside_a_process_group_says_to_use_launch(name):
 
 
 @pytest.mark.parametrize("algorithm", [Algorithm.NAIVE, Algorithm.WHOLE_TENSOR_RING,
-                                       Algorithm.RECURSIVE_DOUBLING])
+                                       Algorithm.RECURSIVE_DOUBLING,
+                                       Algorithm.HALVING_DOUBLING])
 def test_reduce_scatter_and_all_gather_refuse_all_reduce_only_algorithms(algorithm):
     with pytest.raises(ValueError, match=r"RING.*TORCH"):
         reduce_scatter(torch.ones(4), algorithm=algorithm)
@@ -1166,7 +1198,7 @@ def test_a_tensor_gloo_cannot_send_is_refused_on_every_rank_before_any_message()
     results = launch(send_meta_tensors, 2, backend="gloo", echo=False, timeout=TIMEOUT)
     for rank, errors in enumerate(results):
         assert errors.pop("built-in all_reduce afterwards") == "2.0"
-        assert len(errors) == 6, errors
+        assert len(errors) == len(Algorithm) - 1 + 2, errors  # every all-reduce but torch's
         for name, message in errors.items():
             assert message.startswith(f"rank {rank}: "), (name, message)
             assert "gloo's send/recv cannot carry meta tensors" in message, (name, message)

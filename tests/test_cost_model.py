@@ -122,6 +122,8 @@ def test_alpha_beta_refuses_negative_parameters():
     (Algorithm.RECURSIVE_DOUBLING, 6, 4 * (1 + 4) + 3 * 0.4),
     (Algorithm.NAIVE, 4, 6 * (1 + 4) + 3 * 0.4),  # 2(N-1)(a + S b) + (N-1) S g
     (Algorithm.WHOLE_TENSOR_RING, 4, 3 * (1 + 4 + 0.4)),  # (N-1)(a + S b + S g)
+    (Algorithm.HALVING_DOUBLING, 4, 4 * 1 + 1.5 * 4 + 0.75 * 0.4),  # 2 log2 N a + 2(N-1)/N S b
+    (Algorithm.HALVING_DOUBLING, 6, 6 * 1 + 3.5 * 4 + 1.75 * 0.4),  # P = 4, fold: +2 a, +2 S b
     (Algorithm.RING, 1, 0.0),
 ])
 def test_predict_matches_hand_derived_all_reduce(algorithm, world_size, expected):
@@ -148,6 +150,7 @@ def test_predict_refuses_what_it_cannot_model():
 def _count_messages(rank, world_size, numel):
     """Every rank's traffic in each all-reduce (lock-step ring: one message per step)."""
     from labs.collectives import (
+        halving_doubling_all_reduce,
         naive_all_reduce,
         recursive_doubling_all_reduce,
         ring_all_reduce,
@@ -157,6 +160,8 @@ def _count_messages(rank, world_size, numel):
     counts = {}
     for name, run in [("ring", lambda t, r: ring_all_reduce(t, recorder=r, segment_bytes=None)),
                       ("recursive doubling", lambda t, r: recursive_doubling_all_reduce(
+                          t, recorder=r)),
+                      ("halving-doubling", lambda t, r: halving_doubling_all_reduce(
                           t, recorder=r)),
                       ("naive", lambda t, r: naive_all_reduce(t, recorder=r)),
                       ("whole-tensor ring", lambda t, r: whole_tensor_ring_all_reduce(
@@ -175,7 +180,7 @@ def test_the_model_counts_what_the_collectives_send(world_size):
     size = numel * 4
     per_rank = launch(_count_messages, world_size, args=(numel,), backend="gloo", echo=False)
     for algorithm in (Algorithm.RING, Algorithm.RECURSIVE_DOUBLING, Algorithm.NAIVE,
-                      Algorithm.WHOLE_TENSOR_RING):
+                      Algorithm.WHOLE_TENSOR_RING, Algorithm.HALVING_DOUBLING):
         model = coefficients(algorithm, world_size)
         stats = [counts[algorithm.value] for counts in per_rank]
         if algorithm in (Algorithm.RING, Algorithm.WHOLE_TENSOR_RING):
@@ -188,6 +193,13 @@ def test_the_model_counts_what_the_collectives_send(world_size):
                           - _swaps(world_size) for s in stats)
             traffic = max(s.bytes_received + s.bytes_sent - _swaps(world_size) * size
                           for s in stats)
+        elif algorithm is Algorithm.HALVING_DOUBLING:
+            # the same, with 2 log2 P swaps that move 2(P-1)/P·S in all
+            power = 1 << _swaps(world_size)
+            swapped = 2 * (power - 1) * size // power
+            busiest = max(s.messages_received + s.messages_sent
+                          - 2 * _swaps(world_size) for s in stats)
+            traffic = max(s.bytes_received + s.bytes_sent - swapped for s in stats)
         else:  # the naive root receives N-1 and then sends N-1, one after the other
             busiest = max(s.messages_sent + s.messages_received for s in stats)
             traffic = max(s.bytes_sent + s.bytes_received for s in stats)
@@ -259,7 +271,7 @@ def test_plot_cost_model_overlays_model_and_measurements():
     assert len(crossover) == 1  # the dashed line is named in the legend
     ratios = [y for line in right.get_lines() if not line.get_label().startswith("_")
               for y in line.get_ydata()]
-    assert len(ratios) == 3 * 4  # three sizes of the four algorithms with a closed form
+    assert len(ratios) == 3 * (len(Algorithm) - 1)  # three sizes of each with a closed form
     assert ratios == pytest.approx([1.5] * len(ratios))
     assert "4 ranks on 2 cores" in right.get_title()
     assert measured_over_predicted(timings[0], params) == pytest.approx(1.5)

@@ -102,16 +102,20 @@ def _simulate(algorithm: Algorithm, size: float, n: int, link: Link,
     def real(v: int) -> int:
         return 2 * v + 1 if v < extra else v + extra
 
-    mask = 1
-    while mask < power:
+    rounds = power.bit_length() - 1
+    if algorithm is Algorithm.RECURSIVE_DOUBLING:  # (distance, bytes) of each swap
+        swaps = [(1 << j, size) for j in range(rounds)]
+    else:  # halving-doubling: S/2 with the farthest partner, ..., S/P; then back again
+        halving = [(power >> (j + 1), size / (2 << j)) for j in range(rounds)]
+        swaps = halving + halving[::-1]
+    for mask, nbytes in swaps:
         ready = list(done)
         for v in range(power):
             x, y = real(v), real(v ^ mask)
             if x < y:
-                lx, ly = ports.send(x, ready[x], size), ports.send(y, ready[y], size)
-                done[x] = max(ports.receive(x, ly, size), ports.out_free[x])
-                done[y] = max(ports.receive(y, lx, size), ports.out_free[y])
-        mask <<= 1
+                lx, ly = ports.send(x, ready[x], nbytes), ports.send(y, ready[y], nbytes)
+                done[x] = max(ports.receive(x, ly, nbytes), ports.out_free[x])
+                done[y] = max(ports.receive(y, lx, nbytes), ports.out_free[y])
     for r in range(1, 2 * extra, 2):
         done[r - 1] = ports.receive(r - 1, ports.send(r, done[r], size), size)
     return max(done)
@@ -126,6 +130,8 @@ def _simulate(algorithm: Algorithm, size: float, n: int, link: Link,
     (Algorithm.RECURSIVE_DOUBLING, 4, None, 2 * (1 + 4)),  # log2 N (alpha + S/bw)
     (Algorithm.RECURSIVE_DOUBLING, 3, None, 2 * 1 + 3 * 4),  # fold, one swap, hand-back
     (Algorithm.WHOLE_TENSOR_RING, 4, None, 3 * (1 + 4)),  # (N-1)(alpha + S/bw)
+    (Algorithm.HALVING_DOUBLING, 4, None, 4 * 1 + 2 * 3 / 4 * 4),  # 2 log2 N alpha + 2(N-1)/N B
+    (Algorithm.HALVING_DOUBLING, 3, None, (1 + 4) + 2 * (1 + 2) + (1 + 4)),  # fold, S/2 twice, back
     (Algorithm.RING, 1, None, 0.0),
 ])
 def test_forms_match_hand_derivations(algorithm, n, segment, expected):

@@ -197,6 +197,17 @@ def test_closed_forms_of_recursive_doubling():
         expected_traffic(Algorithm.TORCH, 4)
 
 
+def test_halving_doubling_sends_what_its_closed_form_says():
+    assert expected_traffic(Algorithm.HALVING_DOUBLING, 8) == \
+        Traffic(6, Fraction(7, 4), Fraction(7, 4), 2 * 8 * 3)  # the ring's bytes, 2 log2 N steps
+    # N = 6: P = 4, R = 2: ranks 1 and 3 also fold in and answer a neighbour (S each way)
+    assert expected_traffic(Algorithm.HALVING_DOUBLING, 6) == \
+        Traffic(5, Fraction(5, 2), Fraction(5, 2), 2 * 4 * 2 + 4)
+    rows = measure_traffic((3, 6, 8), TrafficSettings(algorithms=(Algorithm.HALVING_DOUBLING,)))
+    assert [r.world_size for r in rows] == [3, 6, 8]
+    assert all(row.matches for row in rows), traffic_table(rows)
+
+
 def test_traffic_settings_are_checked_before_launching():
     with pytest.raises(ValueError, match="does not divide"):
         measure_traffic([4], TrafficSettings(numel=10))

@@ -170,9 +170,12 @@ def run_ring_trace(world_size: int = 4, settings: TraceSettings | None = None) -
 # --- traffic: measured messages and bytes beside the closed forms -----------------------------
 
 #: The all-reduce algorithms whose every message goes through a Recorder (not TORCH).
-RECORDED_ALGORITHMS: tuple[Algorithm, ...] = (
+COUNTED_ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm.NAIVE, Algorithm.WHOLE_TENSOR_RING, Algorithm.RING, Algorithm.RECURSIVE_DOUBLING,
+    Algorithm.HALVING_DOUBLING,
 )
+#: The ones chapter 2's traffic and agreement tables show.
+RECORDED_ALGORITHMS: tuple[Algorithm, ...] = COUNTED_ALGORITHMS[:4]
 
 
 @dataclass(frozen=True)
@@ -192,10 +195,10 @@ class TrafficSettings:
     def validate(self, world_sizes: Iterable[int]) -> None:
         """Raise ValueError, saying what to change, before any process starts."""
         for algorithm in self.algorithms:
-            if algorithm not in RECORDED_ALGORITHMS:
+            if algorithm not in COUNTED_ALGORITHMS:
                 raise ValueError(
                     f"{algorithm.name} cannot be counted (its messages bypass the Recorder); "
-                    f"choose among {', '.join(a.name for a in RECORDED_ALGORITHMS)}."
+                    f"choose among {', '.join(a.name for a in COUNTED_ALGORITHMS)}."
                 )
         for n in world_sizes:
             if not 1 <= n <= MAX_WORLD_SIZE:
@@ -245,6 +248,10 @@ def expected_traffic(algorithm: Algorithm, world_size: int) -> Traffic:
       with P the largest power of two below N and R = N - P, the R odd ranks of the first 2R
       also take in and hand back a neighbour's tensor: (k+1)·S with k = log2 P, i.e.
       ceil(log2 N)·S for the busiest rank, and P·k + 2R messages in all.
+    * halving-doubling, N = 2^k: every rank sends 2k messages, (N-1)/N·S in each phase,
+      2(N-1)/N·S in all; 2N·k messages in all. Otherwise the same among the P ranks, and the
+      R odd ranks of the first 2R also take in and hand back a neighbour's tensor: 2k + 1
+      messages and 2(P-1)/P·S + S each way for the busiest rank, 2P·k + 2R in all.
     """
     n = world_size
     if n < 1:
@@ -262,6 +269,12 @@ def expected_traffic(algorithm: Algorithm, world_size: int) -> Traffic:
         extra = n - power
         busiest = k + (1 if extra else 0)
         return Traffic(busiest, Fraction(busiest), Fraction(busiest), power * k + 2 * extra)
+    if algorithm is Algorithm.HALVING_DOUBLING:
+        k = _log2_floor(n)
+        power = 1 << k
+        extra = n - power
+        share = Fraction(2 * (power - 1), power) + (1 if extra else 0)
+        return Traffic(2 * k + (1 if extra else 0), share, share, 2 * power * k + 2 * extra)
     raise ValueError(f"no closed form for {algorithm.name}: its messages are torch's own.")
 
 
@@ -341,7 +354,7 @@ class AgreementSettings:
 
     numel: int = 4096
     seed: int = 0
-    algorithms: tuple[Algorithm, ...] = tuple(Algorithm)
+    algorithms: tuple[Algorithm, ...] = (*RECORDED_ALGORITHMS, Algorithm.TORCH)
 
     def tensor(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s input: standard normal, 1-D float32."""
