@@ -13,11 +13,14 @@ order:
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling, and Rabenseifner's
-  halving-doubling in :mod:`labs.halving_doubling`), with traffic counts and traces; beneath it :mod:`labs.torch_collectives` (torch's conventions and its own collectives, the
+  halving-doubling in :mod:`labs.halving_doubling`), with traffic counts and traces;
+  beneath it :mod:`labs.torch_collectives` (torch's conventions and its own collectives, the
   baseline), :mod:`labs.p2p` (the point-to-point calls, counted) and
   :mod:`labs.ring_schedule` (how a ring pass runs), and :mod:`labs.link` (``Link``, an
   emulated network those messages can go over: ``launch(..., link=Link(...))``, and
-  ``Topology``, nodes joined by a slower link, chapter 8).
+  ``Topology``, nodes joined by a slower link, chapter 8); :mod:`labs.multi_ring` runs the flat
+  all-reduce over several channels, rings laid out so that every network card carries one (how
+  NCCL runs it across nodes).
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model and its closed forms on the
   emulated link (its fit on this machine is :mod:`labs.experiments.cost_fit`).
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
