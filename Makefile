@@ -55,7 +55,7 @@ define run_suite
 	@grep -q 'execute_notebooks: "off"' $(STORED_CONFIG) || \
 	  { echo "Makefile: _config.yml no longer says 'execute_notebooks: cache'; update the test target"; exit 1; }
 	$(1)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
-	$(1)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow"
+	$(1)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow" --durations=25
 	$(1)/python -m pytest --nbval-lax -p no:cacheprovider notebooks -q -n $(WORKERS) --dist loadscope
 endef
 

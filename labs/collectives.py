@@ -21,6 +21,7 @@ whole-tensor ring                      (N-1)·S                          N-1
 ring (reduce-scatter + all-gather)     2(N-1)/N·S                       2(N-1)
 recursive doubling (N a power of 2)    log2(N)·S                        log2 N
 halving-doubling (N a power of 2)      2(N-1)/N·S                       2·log2 N
+double binary tree (N >= 4)            2S                               2·ceil(log2 N) + segments
 =====================================  ==============================  ===================
 
 The ring is bandwidth-optimal (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms
@@ -70,6 +71,7 @@ from labs.torch_collectives import finish as _finish
 from labs.torch_collectives import in_place as _in_place
 from labs.torch_collectives import shard_bounds as shard_bounds
 from labs.torch_collectives import torch_all_gather, torch_all_reduce, torch_reduce_scatter
+from labs.tree_all_reduce import double_tree_all_reduce as double_tree_all_reduce
 
 # --- naive: reduce to a root, broadcast back --------------------------------------------------
 
@@ -383,6 +385,9 @@ class Algorithm(enum.Enum):
     RECURSIVE_DOUBLING = "recursive doubling"  #: :func:`recursive_doubling_all_reduce` (idem)
     #: :func:`labs.halving_doubling.halving_doubling_all_reduce` (Rabenseifner's; all-reduce only)
     HALVING_DOUBLING = "halving-doubling"
+    #: :func:`labs.tree_all_reduce.double_tree_all_reduce` (NCCL's two trees; all-reduce only,
+    #: gloo only)
+    DOUBLE_TREE = "double binary tree"
     TORCH = "torch"  #: torch.distributed's own collective (gloo or NCCL picks its algorithm)
 
 
@@ -423,6 +428,7 @@ def all_reduce(
         Algorithm.RING: ring_all_reduce,
         Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
         Algorithm.HALVING_DOUBLING: halving_doubling_all_reduce,
+        Algorithm.DOUBLE_TREE: double_tree_all_reduce,
     }[algorithm]
     return fn(tensor, op, group, recorder=recorder)
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective, shard_bounds
 from labs.link import Link, Topology
+from labs.multi_ring import multi_ring_bytes_across_nodes, multi_ring_on_topology
+from labs.tree_all_reduce import double_tree_on_link
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ def coefficients(
       power of two below N, the fold and the hand-back of recursive doubling around the
       rounds among P ranks: ``(2 log2 P + 2) alpha + (2(P-1)/P + 2) S beta + ((P-1)/P + 1) S
       gamma``.
+    * double binary tree, pipelined (segments small beside S): ``2 ceil(log2 N) alpha + L S
+      beta + R S gamma`` with L = 2 from N = 4 (3/2 at N = 3, 1 at N = 2), the busiest port's
+      bytes, and R = 1 (1/2 at N = 2): a rank adds two children's halves in one tree.
 
     Reduce-scatter and all-gather by ring: one phase of the all-reduce ring,
     ``(N-1)(alpha + S/N beta)``, plus ``(N-1) S/N gamma`` for the reduce-scatter.
@@ -147,6 +152,10 @@ def coefficients(
         share = ((1 << rounds) - 1) / (1 << rounds)  # (P-1)/P
         fold = 0 if n & (n - 1) == 0 else 1
         return Coefficients(2 * rounds + 2 * fold, 2 * share + 2 * fold, share + fold)
+    if algorithm is Algorithm.DOUBLE_TREE:
+        depth = (n - 1).bit_length()  # ceil(log2 N)
+        load = {2: 1.0, 3: 1.5}.get(n, 2.0)  # the busiest port's bytes, per byte of S
+        return Coefficients(2 * depth, load, 0.5 if n == 2 else 1.0)
     if algorithm is Algorithm.NAIVE:
         return Coefficients(2 * steps, 2 * steps, steps)
     return Coefficients(steps, steps, steps)  # WHOLE_TENSOR_RING
@@ -197,7 +206,7 @@ def crossover_bytes(
 #: (torch's built-in sends its own messages, which the link does not carry).
 LINK_ALGORITHMS: tuple[Algorithm, ...] = (Algorithm.NAIVE, Algorithm.WHOLE_TENSOR_RING,
                                           Algorithm.RING, Algorithm.RECURSIVE_DOUBLING,
-                                          Algorithm.HALVING_DOUBLING)
+                                          Algorithm.HALVING_DOUBLING, Algorithm.DOUBLE_TREE)
 
 
 def predict_on_link(
@@ -235,6 +244,10 @@ def predict_on_link(
       the same swaps back. Other N: the schedule of recursive doubling's fold and hand-back
       around those rounds among P ranks, each swap of m bytes ending at
       ``max(t_x, t_y + alpha) + m/bw`` as above.
+    * double binary tree: the schedule of :func:`labs.tree_all_reduce.rank_program` through the
+      ports (:func:`labs.tree_all_reduce.double_tree_on_link`, with the tree's own 64 KiB
+      segments; ``segment_bytes`` is the ring's), about ``2D (alpha + s/bw) + L/bw`` with
+      D = ceil(log2 N) and L = 2S from N = 4.
 
     Additions are not priced: a rank adds what it received at memory speed, far faster than a
     link chosen to be slow carries it (chapter 2 measures both before choosing its link).
@@ -253,6 +266,8 @@ def predict_on_link(
     n, alpha, bw = world_size, link.alpha, link.bandwidth
     if n == 1 or size_bytes == 0:
         return 0.0
+    if algorithm is Algorithm.DOUBLE_TREE:
+        return double_tree_on_link(size_bytes, n, link)
     whole = size_bytes / bw
     if algorithm is Algorithm.NAIVE:
         return 2 * alpha + 2 * (n - 1) * whole
@@ -326,11 +341,15 @@ def crossover_on_link(
 
 
 class TopologyAlgorithm(enum.Enum):
-    """The two all-reduces chapter 8 compares on a :class:`labs.Topology`."""
+    """The all-reduces chapter 8 compares on a :class:`labs.Topology`."""
 
     #: :func:`labs.collectives.ring_all_reduce` over all N ranks, lock-step
     #: (``segment_bytes=None``): one ring that crosses between nodes at every node's edge.
     FLAT_RING = "flat ring"
+    #: :func:`labs.multi_ring.multi_ring_all_reduce` with one channel per rank of a node,
+    #: lock-step: the flat all-reduce as NCCL runs it, g rings laid out so that every network
+    #: card carries one channel's crossing.
+    MULTI_RING = "flat, g channels"
     #: :func:`labs.collectives.hierarchical_all_reduce`, lock-step: reduce-scatter inside each
     #: node, all-reduce across nodes, all-gather inside each node.
     HIERARCHICAL = "hierarchical"
@@ -397,6 +416,9 @@ def predict_on_topology(
       alpha. When latency dominates instead, latencies of successive hops overlap and the
       time lies between that and ``2(N-1)/g T_e(c) + 2(N-1)(g-1)/g T_i(c)``. With one node
       it is the homogeneous ring on ``intra``, ``2(N-1) T_i(c)``.
+    * **Flat, g channels** (:func:`labs.multi_ring.multi_ring_on_topology`, exact for the port
+      model): g rings of S/g at once, each card carrying one channel's chunk S/(gN) per step,
+      ``2(N-1) T_e(S/(gN))`` when a step's intra-node hops fit under its inter-node one.
     * **Hierarchical**: the three rings run one after another, each homogeneous, so each
       lock-step ring costs (steps) x T(its chunk):
       ``(g-1) T_i(S/g)`` (reduce-scatter in the node) + ``2(n-1) T_e(S/(g n))`` (all-reduce
@@ -414,6 +436,8 @@ def predict_on_topology(
         return 0.0
     if algorithm is TopologyAlgorithm.FLAT_RING:
         return max(ring_step_times(size_bytes, world_size, topology)[-1])
+    if algorithm is TopologyAlgorithm.MULTI_RING:
+        return multi_ring_on_topology(size_bytes, world_size, topology, topology.node_size)
     g = topology.node_size
     within = (g - 1) * topology.intra.seconds(size_bytes / g)
     across = 2 * (nodes - 1) * topology.inter.seconds(size_bytes / (g * nodes))
@@ -432,6 +456,9 @@ def bytes_across_nodes(
       every chunk but its own in the reduce-scatter and every chunk but its right
       neighbour's in the all-gather: ``2S - c_r - c_(r+1)``, about 2(N-1)/N S (0 for the
       others, and for everyone when there is one node).
+    * **Flat, g channels**: every rank leaves its node in exactly one channel and sends that
+      channel's part across, about 2(N-1)/N S/g each
+      (:func:`labs.multi_ring.multi_ring_bytes_across_nodes`).
     * **Hierarchical**: every rank sends only its cross-node ring's traffic across, on its
       shard of S/g: ``2 s - d_j - d_(j+1)`` with s its shard and d the shard's n chunks,
       about 2(n-1)/n S/g: g times less than the flat ring's edge rank, spread over all g
@@ -446,6 +473,8 @@ def bytes_across_nodes(
         bounds = shard_bounds(total, parts)
         return [bounds[i + 1] - bounds[i] for i in range(parts)]
 
+    if algorithm is TopologyAlgorithm.MULTI_RING:
+        return multi_ring_bytes_across_nodes(numel, element_size, world_size, g, g)
     out = [0] * world_size
     if n == 1:
         return out

@@ -107,7 +107,7 @@ def test_flat_and_hierarchical_table_follows_the_model():
     for algorithm in TopologyAlgorithm:
         fastest = min(row.measured[algorithm])  # a late wake-up on a loaded machine only adds
         assert follows(fastest, row.model[algorithm]), (algorithm, row)
-    assert "model speed-up" in topology_table(rows)
+    assert "hier. vs g channels" in topology_table(rows)
 
 
 # --- DDP, FSDP and HSDP: bytes across nodes -----------------------------------------------------

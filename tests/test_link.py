@@ -21,6 +21,7 @@ from timing_bounds import fastest_of_slowest, follows
 from labs import Link, RankError, launch
 from labs.collectives import (
     Algorithm,
+    double_tree_all_reduce,
     halving_doubling_all_reduce,
     naive_all_reduce,
     recursive_doubling_all_reduce,
@@ -105,6 +106,7 @@ def all_reduces(rank: int, world_size: int, nbytes: int) -> dict[str, list[float
         "ring": lambda t: ring_all_reduce(t, segment_bytes=nbytes),  # one message per step
         "recursive doubling": recursive_doubling_all_reduce,
         "halving-doubling": halving_doubling_all_reduce,
+        "double binary tree": double_tree_all_reduce,
     }
     out = {}
     for name, call in calls.items():

@@ -208,6 +208,14 @@ def test_halving_doubling_sends_what_its_closed_form_says():
     assert all(row.matches for row in rows), traffic_table(rows)
 
 
+def test_the_double_tree_sends_what_its_closed_form_says():
+    # from N = 4 the busiest rank is interior in one tree (two children) and a leaf in the other
+    assert expected_traffic(Algorithm.DOUBLE_TREE, 8) == \
+        Traffic(4, Fraction(2), Fraction(2), 4 * 7)
+    rows = measure_traffic((2, 3, 5), TrafficSettings(algorithms=(Algorithm.DOUBLE_TREE,)))
+    assert all(row.matches for row in rows), traffic_table(rows)
+
+
 def test_traffic_settings_are_checked_before_launching():
     with pytest.raises(ValueError, match="does not divide"):
         measure_traffic([4], TrafficSettings(numel=10))

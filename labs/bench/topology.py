@@ -1,8 +1,9 @@
-"""``python -m labs.bench topology``: the flat ring against the hierarchical all-reduce on an
-emulated :class:`labs.Topology` (nodes of ``node_size`` ranks, the inter-node link 10x slower
-than the intra-node one), measured and modelled (:func:`labs.cost_model.predict_on_topology`),
-with the same two all-reduces on the real loopback transport beside them. Both run lock-step
-(``segment_bytes=None``), the schedule the closed forms describe.
+"""``python -m labs.bench topology``: the flat all-reduce (one ring, and one ring per network
+card as NCCL's channels) against the hierarchical one on an emulated :class:`labs.Topology`
+(nodes of ``node_size`` ranks, the inter-node link 10x slower than the intra-node one),
+measured and modelled (:func:`labs.cost_model.predict_on_topology`), with the same all-reduces
+on the real loopback transport beside them. All run lock-step, the schedule the closed forms
+describe.
 
 The settings, the worker and the table are chapter 8's (:mod:`labs.experiments.topology`);
 this module parses the command line into them.

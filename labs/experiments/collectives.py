@@ -172,7 +172,7 @@ def run_ring_trace(world_size: int = 4, settings: TraceSettings | None = None) -
 #: The all-reduce algorithms whose every message goes through a Recorder (not TORCH).
 COUNTED_ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm.NAIVE, Algorithm.WHOLE_TENSOR_RING, Algorithm.RING, Algorithm.RECURSIVE_DOUBLING,
-    Algorithm.HALVING_DOUBLING,
+    Algorithm.HALVING_DOUBLING, Algorithm.DOUBLE_TREE,
 )
 #: The ones chapter 2's traffic and agreement tables show.
 RECORDED_ALGORITHMS: tuple[Algorithm, ...] = COUNTED_ALGORITHMS[:4]
@@ -252,6 +252,9 @@ def expected_traffic(algorithm: Algorithm, world_size: int) -> Traffic:
       2(N-1)/N·S in all; 2N·k messages in all. Otherwise the same among the P ranks, and the
       R odd ranks of the first 2R also take in and hand back a neighbour's tensor: 2k + 1
       messages and 2(P-1)/P·S + S each way for the busiest rank, 2P·k + 2R in all.
+    * double binary tree (one segment per half: S/2 within 64 KiB): along every tree edge one
+      message up and one down per half; the busiest rank sends and receives 4 messages and 2S
+      from N = 4 (3 and 3/2·S at N = 3, 2 and S at N = 2); 4(N-1) messages in all.
     """
     n = world_size
     if n < 1:
@@ -275,6 +278,11 @@ def expected_traffic(algorithm: Algorithm, world_size: int) -> Traffic:
         extra = n - power
         share = Fraction(2 * (power - 1), power) + (1 if extra else 0)
         return Traffic(2 * k + (1 if extra else 0), share, share, 2 * power * k + 2 * extra)
+    if algorithm is Algorithm.DOUBLE_TREE:
+        if n == 1:
+            return Traffic(0, Fraction(0), Fraction(0), 0)
+        messages, share = {2: (2, Fraction(1)), 3: (3, Fraction(3, 2))}.get(n, (4, Fraction(2)))
+        return Traffic(messages, share, share, 4 * (n - 1))
     raise ValueError(f"no closed form for {algorithm.name}: its messages are torch's own.")
 
 

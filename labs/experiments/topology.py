@@ -1,12 +1,13 @@
-"""Chapter 8, part 1's measurements on an emulated :class:`labs.Topology`: the flat ring against
-the hierarchical all-reduce across node counts, and the flat ring step by step.
+"""Chapter 8, part 1's measurements on an emulated :class:`labs.Topology`: the flat all-reduce
+(one ring, and g channels as NCCL runs it) against the hierarchical one across node counts,
+and the flat ring step by step.
 
 The chapter's topology (:data:`CHAPTER_SETTINGS`) is nodes of 2 ranks whose inter-node link is
 10x slower than the intra-node one (1 ms latency on both, 500 MB/s inside a node, 50 MB/s
 between nodes), with a 16 MiB all-reduce: a run takes about a second, long beside the few
 milliseconds a sleeping rank wakes late, short enough for a notebook.
 
-* :func:`time_both` (worker) and :func:`measure_topology` time both all-reduces, lock-step
+* :func:`time_both` (worker) and :func:`measure_topology` time every all-reduce, lock-step
   (``segment_bytes=None``, the schedule :func:`labs.cost_model.predict_on_topology` describes),
   for every node count of the settings; :func:`topology_table` prints them beside the model.
 * :func:`ring_step_trace` (worker) records when each rank finishes each of the flat ring's
@@ -42,6 +43,7 @@ from labs.cost_model import (
 )
 from labs.launcher import MAX_WORLD_SIZE, launch
 from labs.link import Link, LinkKind, Topology
+from labs.multi_ring import multi_ring_all_reduce
 from labs.p2p import Peers, Phase
 from labs.tables import format_table
 
@@ -114,6 +116,8 @@ def time_both(rank: int, world_size: int, node_size: int, nbytes: int, repeats: 
             start = time.monotonic()
             if algorithm is TopologyAlgorithm.FLAT_RING:
                 ring_all_reduce(tensor, segment_bytes=None)
+            elif algorithm is TopologyAlgorithm.MULTI_RING:
+                multi_ring_all_reduce(tensor, node_size=node_size)
             else:
                 hierarchical_all_reduce(tensor, node_size, groups=groups, segment_bytes=None)
             times.append(time.monotonic() - start)
@@ -156,6 +160,18 @@ class TopologyRow:
         return self.model[TopologyAlgorithm.FLAT_RING] / self.model[
             TopologyAlgorithm.HIERARCHICAL]
 
+    @property
+    def speedup_over_channels(self) -> float:
+        """Measured flat with g channels / hierarchical (medians): what the hierarchy buys
+        over the flat all-reduce as NCCL runs it."""
+        return self.median(TopologyAlgorithm.MULTI_RING) / self.median(
+            TopologyAlgorithm.HIERARCHICAL)
+
+    @property
+    def model_speedup_over_channels(self) -> float:
+        return self.model[TopologyAlgorithm.MULTI_RING] / self.model[
+            TopologyAlgorithm.HIERARCHICAL]
+
 
 def measure_topology(settings: TopologySettings = CHAPTER_SETTINGS, timeout: float = 600.0
                      ) -> list[TopologyRow]:
@@ -178,18 +194,24 @@ def measure_topology(settings: TopologySettings = CHAPTER_SETTINGS, timeout: flo
 
 
 def topology_table(rows: Sequence[TopologyRow]) -> str:
-    """Seconds per all-reduce (median over calls of the slowest rank), beside the model."""
-    flat, hier = TopologyAlgorithm.FLAT_RING, TopologyAlgorithm.HIERARCHICAL
+    """Seconds per all-reduce (median over calls of the slowest rank), beside the model; the
+    hierarchical all-reduce's speed-up over the single flat ring and over the flat one with
+    g channels."""
+    flat, multi, hier = (TopologyAlgorithm.FLAT_RING, TopologyAlgorithm.MULTI_RING,
+                         TopologyAlgorithm.HIERARCHICAL)
     loopback = any(r.loopback is not None for r in rows)
-    headers = ["nodes", "ranks", "flat (s)", "flat model", "hier. (s)", "hier. model",
-               "speed-up", "model speed-up"]
+    headers = ["nodes", "ranks", "one ring (s)", "model", "g channels (s)", "model",
+               "hier. (s)", "model", "hier. vs one ring", "model", "hier. vs g channels",
+               "model"]
     if loopback:
         headers += ["loopback flat (s)", "loopback hier. (s)"]
     body = []
     for r in rows:
         line = [r.nodes, r.ranks, f"{r.median(flat):.3f}", f"{r.model[flat]:.3f}",
+                f"{r.median(multi):.3f}", f"{r.model[multi]:.3f}",
                 f"{r.median(hier):.3f}", f"{r.model[hier]:.3f}", f"{r.speedup:.2f}x",
-                f"{r.model_speedup:.2f}x"]
+                f"{r.model_speedup:.2f}x", f"{r.speedup_over_channels:.2f}x",
+                f"{r.model_speedup_over_channels:.2f}x"]
         if loopback:
             line += ["-", "-"] if r.loopback is None else [
                 f"{statistics.median(r.loopback[flat]):.4f}",
@@ -344,6 +366,8 @@ def across_worker(rank: int, world_size: int, node_size: int, numel: int
         recorder = Recorder(node_size=node_size)
         if algorithm is TopologyAlgorithm.FLAT_RING:
             ring_all_reduce(tensor, recorder=recorder)
+        elif algorithm is TopologyAlgorithm.MULTI_RING:
+            multi_ring_all_reduce(tensor, node_size=node_size, recorder=recorder)
         else:
             hierarchical_all_reduce(tensor, node_size, recorder=recorder, groups=groups)
         sent[algorithm] = recorder.stats.bytes_sent_across_nodes
