@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from labs import Backend, bench
 from labs import __main__ as labs_cli
-from labs import bench
 from labs.bench.collectives import DEFAULT_OUT
 from labs.collectives import (
     DEFAULT_SEGMENT_BYTES,
@@ -161,6 +161,11 @@ def test_sweep_cases_follow_the_algorithms_each_collective_supports():
                              algorithms=(Algorithm.RING,), segment_bytes=(None, 1024))
     assert [c.label for c in segments.cases()] == ["ring (lock-step)",
                                                    f"ring (segment 1K, window {DEFAULT_WINDOW})"]
+    # the double binary tree posts its receives up front: gloo runs it, NCCL would hang
+    on = {backend: [c.algorithm for c in everything.cases_on(backend)] for backend in Backend}
+    assert Algorithm.DOUBLE_TREE in on[Backend.GLOO]
+    assert Algorithm.DOUBLE_TREE not in on[Backend.NCCL]
+    assert len(on[Backend.NCCL]) == len(on[Backend.GLOO]) - 2  # one per size
 
 
 def test_records_round_trip():

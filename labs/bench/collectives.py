@@ -191,7 +191,7 @@ def collectives_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) 
     if crowded:
         print(f"note: {cores} CPU cores; gloo at world size {', '.join(map(str, crowded))} "
               "runs more ranks than cores, so ranks also wait for a core.", file=sys.stderr)
-    total = len(plan) * len(settings.cases()) * settings.launches
+    total = sum(len(settings.cases_on(backend)) for backend, _ in plan) * settings.launches
     with tqdm(total=total, desc="collectives", unit="case", file=sys.stderr) as bar:
         timings = run_sweep(settings, progress=bar.update)
     print(sweep_tables(timings))
