@@ -13,7 +13,7 @@ order:
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling; Rabenseifner's halving-doubling in
-  :mod:`labs.halving_doubling` and NCCL's double binary tree in :mod:`labs.tree_all_reduce`),
+  :mod:`labs.halving_doubling` and NCCL's double binary tree in :mod:`labs.double_tree`),
   with traffic counts and traces;
   beneath it :mod:`labs.torch_collectives` (torch's conventions and its own collectives, the
   baseline), :mod:`labs.p2p` (the point-to-point calls, counted) and

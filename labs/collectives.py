@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from labs.double_tree import double_tree_all_reduce as double_tree_all_reduce
 from labs.grid import ProcessGrid, node_layout  # the hierarchical all-reduce's node grid
 from labs.halving_doubling import halving_doubling_all_reduce as halving_doubling_all_reduce
 
@@ -71,7 +72,6 @@ from labs.torch_collectives import finish as _finish
 from labs.torch_collectives import in_place as _in_place
 from labs.torch_collectives import shard_bounds as shard_bounds
 from labs.torch_collectives import torch_all_gather, torch_all_reduce, torch_reduce_scatter
-from labs.tree_all_reduce import double_tree_all_reduce as double_tree_all_reduce
 
 # --- naive: reduce to a root, broadcast back --------------------------------------------------
 
@@ -385,7 +385,7 @@ class Algorithm(enum.Enum):
     RECURSIVE_DOUBLING = "recursive doubling"  #: :func:`recursive_doubling_all_reduce` (idem)
     #: :func:`labs.halving_doubling.halving_doubling_all_reduce` (Rabenseifner's; all-reduce only)
     HALVING_DOUBLING = "halving-doubling"
-    #: :func:`labs.tree_all_reduce.double_tree_all_reduce` (NCCL's two trees; all-reduce only,
+    #: :func:`labs.double_tree.double_tree_all_reduce` (NCCL's two trees; all-reduce only,
     #: gloo only)
     DOUBLE_TREE = "double binary tree"
     TORCH = "torch"  #: torch.distributed's own collective (gloo or NCCL picks its algorithm)

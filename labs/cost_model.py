@@ -41,9 +41,9 @@ import math
 from dataclasses import dataclass
 
 from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, Collective, shard_bounds
+from labs.double_tree import double_tree_on_link
 from labs.link import Link, Topology
 from labs.multi_ring import multi_ring_bytes_across_nodes, multi_ring_on_topology
-from labs.tree_all_reduce import double_tree_on_link
 
 
 @dataclass(frozen=True)
@@ -244,10 +244,11 @@ def predict_on_link(
       the same swaps back. Other N: the schedule of recursive doubling's fold and hand-back
       around those rounds among P ranks, each swap of m bytes ending at
       ``max(t_x, t_y + alpha) + m/bw`` as above.
-    * double binary tree: the schedule of :func:`labs.tree_all_reduce.rank_program` through the
-      ports (:func:`labs.tree_all_reduce.double_tree_on_link`, with the tree's own 64 KiB
-      segments; ``segment_bytes`` is the ring's), about ``2D (alpha + s/bw) + L/bw`` with
-      D = ceil(log2 N) and L = 2S from N = 4.
+    * double binary tree: each rank's steps in the order their data is due on the link
+      (:func:`labs.double_tree.rank_schedule`), through the ports
+      (:func:`labs.double_tree.double_tree_on_link`, with the tree's own 64 KiB segments;
+      ``segment_bytes`` is the ring's): at least ``max(2D (alpha + s/bw), alpha + L/bw)`` and
+      about their sum, D = ceil(log2 N), L = 2S from N = 4.
 
     Additions are not priced: a rank adds what it received at memory speed, far faster than a
     link chosen to be slow carries it (chapter 2 measures both before choosing its link).

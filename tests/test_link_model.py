@@ -140,7 +140,7 @@ def test_forms_match_hand_derivations(algorithm, n, segment, expected):
 
 
 # The double binary tree's form is its schedule run through the ports already; its own
-# independent run: tests/test_tree_all_reduce.py.
+# independent run: tests/test_double_tree.py.
 @pytest.mark.parametrize("algorithm", [a for a in LINK_ALGORITHMS
                                        if a is not Algorithm.DOUBLE_TREE])
 def test_forms_equal_a_message_by_message_run_of_the_port_model(algorithm):

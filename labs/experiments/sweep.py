@@ -174,7 +174,7 @@ class SweepSettings:
     def cases_on(self, backend: Backend) -> list[CollectiveCase]:
         """The cases one launch on ``backend`` runs: every case, but on NCCL not the double
         binary tree, which posts every receive up front, as only gloo's send/recv allow
-        (:mod:`labs.tree_all_reduce`)."""
+        (:mod:`labs.double_tree`)."""
         return [c for c in self.cases()
                 if backend is not Backend.NCCL or c.algorithm is not Algorithm.DOUBLE_TREE]
 
