@@ -19,6 +19,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from port_model import Ports
 from timing_bounds import fastest_of_slowest, follows, near
 from torch.distributed import ReduceOp
 
@@ -344,25 +345,6 @@ def test_bad_arguments_are_refused_before_any_message():
 # --- the port model ----------------------------------------------------------------------------
 
 
-class _Ports:
-    """The port model of labs.link, message by message (as tests/test_link_model.py has it)."""
-
-    def __init__(self, n: int, link: Link) -> None:
-        self.link, self.out_free, self.in_free = link, [0.0] * n, [0.0] * n
-
-    def send(self, rank: int, at: float, nbytes: float) -> float:
-        """Posts a message at ``at``; returns when it starts leaving."""
-        leaves = max(at, self.out_free[rank])
-        self.out_free[rank] = leaves + nbytes / self.link.bandwidth
-        return leaves
-
-    def receive(self, rank: int, leaves: float, nbytes: float) -> float:
-        """Waits for a message that started leaving at ``leaves``; returns when it is in."""
-        start = max(leaves + self.link.alpha, self.in_free[rank])
-        self.in_free[rank] = start + nbytes / self.link.bandwidth
-        return self.in_free[rank]
-
-
 def _level(tree: Tree, rank: int) -> int:
     """Edges from ``rank`` up to the root."""
     return 0 if tree.parent[rank] is None else 1 + _level(tree, tree.parent[rank])
@@ -403,7 +385,7 @@ def _program(n: int, rank: int, count: int, latency: float) -> list[tuple[str, t
 
 
 def _simulate(n: int, size: float, link: Link, segment: int | None) -> float:
-    """Every rank's program run through _Ports, every rank starting at 0, each rank going as
+    """Every rank's program run through Ports, every rank starting at 0, each rank going as
     far as it can in turn until all are done: when the last one is (its last receive in, its
     last send out of its port)."""
     if n == 1 or size == 0:
@@ -411,7 +393,7 @@ def _simulate(n: int, size: float, link: Link, segment: int | None) -> float:
     count = 1 if segment is None else max(1, math.ceil(size / 2 / segment))
     piece = size / 2 / count
     programs = [_program(n, r, count, link.alpha * link.bandwidth / piece) for r in range(n)]
-    ports, clock, at = _Ports(n, link), [0.0] * n, [0] * n
+    ports, clock, at = Ports(n, link), [0.0] * n, [0] * n
     left: dict[tuple, float] = {}
     moved = True
     while moved:

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from port_model import Ports
 from timing_bounds import fastest_of_slowest, follows, near
 
 from labs import Link, launch
@@ -43,30 +44,11 @@ EASY = Link(alpha=1.0, bandwidth=100.0)
 # --- the forms, against a step-by-step run of the port model ------------------------------------
 
 
-class _Ports:
-    """The port model of labs.link, message by message, for one schedule."""
-
-    def __init__(self, n: int, link: Link) -> None:
-        self.link, self.out_free, self.in_free = link, [0.0] * n, [0.0] * n
-
-    def send(self, rank: int, at: float, nbytes: float) -> float:
-        """Posts a message at ``at``; returns when it starts leaving."""
-        leaves = max(at, self.out_free[rank])
-        self.out_free[rank] = leaves + nbytes / self.link.bandwidth
-        return leaves
-
-    def receive(self, rank: int, leaves: float, nbytes: float) -> float:
-        """Waits for a message that started leaving at ``leaves``; returns when it is in."""
-        start = max(leaves + self.link.alpha, self.in_free[rank])
-        self.in_free[rank] = start + nbytes / self.link.bandwidth
-        return self.in_free[rank]
-
-
 def _simulate(algorithm: Algorithm, size: float, n: int, link: Link,
               segment: float | None) -> float:
-    """The schedule of each labs.collectives all-reduce run through _Ports, every rank
+    """The schedule of each labs.collectives all-reduce run through Ports, every rank
     starting at 0, additions free: when the last rank is done."""
-    ports, done = _Ports(n, link), [0.0] * n
+    ports, done = Ports(n, link), [0.0] * n
     if algorithm is Algorithm.NAIVE:
         left = [ports.send(r, 0.0, size) for r in range(n)]
         t = 0.0
