@@ -31,6 +31,8 @@ from labs.activations import (
 from labs.experiments.activations import (
     CHAPTER_MODEL,
     ActivationSettings,
+    CheckpointCase,
+    checkpointing_model,
     measure_checkpointing,
     mlp_workload,
 )
@@ -264,6 +266,19 @@ def test_measure_checkpointing_reports_both_cases():
         assert len(case.seconds) == 3 and case.min_seconds <= case.median_seconds \
             <= case.max_seconds
     assert (without.recomputed, with_.recomputed) == (0, 2 * len(BLOCK_MODULES))
+    for case in (without, with_):  # each step's forward is a part of it
+        assert len(case.forward_seconds) == 3
+        assert all(0 < f < t for f, t in zip(case.forward_seconds, case.seconds, strict=True))
+        assert case.median_forward > 0 and case.median_backward > 0
+
+
+def test_the_checkpointing_model_adds_one_forward_to_the_step():
+    def case(forward: float, step: float) -> CheckpointCase:
+        return CheckpointCase(False, 0, 0, (step,), 0, (forward,))
+
+    assert checkpointing_model(case(1.0, 3.0)) == pytest.approx(4 / 3)  # B = 2F: the rule
+    assert checkpointing_model(case(1.0, 2.0)) == pytest.approx(3 / 2)  # B = F
+    assert checkpointing_model(case(2.0, 3.0)) != pytest.approx(4 / 3)  # B = F/2: not the rule
 
 
 # --- bad input is refused, with advice -----------------------------------------------------------

@@ -121,10 +121,22 @@ class CheckpointCase:
     formula_bytes: int  #: :func:`activation_bytes`
     seconds: tuple[float, ...]  #: each timed step: forward, loss and backward
     recomputed: int  #: module forwards that ran again during backward (:func:`recomputed_modules`)
+    forward_seconds: tuple[float, ...] = ()  #: the forward and loss of each timed step
 
     @property
     def median_seconds(self) -> float:
         return statistics.median(self.seconds)
+
+    @property
+    def median_forward(self) -> float:
+        """The median forward (and loss) of the timed steps."""
+        return statistics.median(self.forward_seconds)
+
+    @property
+    def median_backward(self) -> float:
+        """The median of each step's time less its forward."""
+        return statistics.median(t - f for t, f in zip(self.seconds, self.forward_seconds,
+                                                        strict=True))
 
     @property
     def min_seconds(self) -> float:
@@ -135,11 +147,23 @@ class CheckpointCase:
         return max(self.seconds)
 
 
-def _step_seconds(workload: Workload) -> float:
+def checkpointing_model(plain: CheckpointCase) -> float:
+    """The step time of every block checkpointed over the plain step's, from the plain
+    step's own forward F and backward B: backward runs forward again, so (2F + B) / (F + B).
+    (The layers outside the blocks run once; at the chapter's sizes they are a small part of
+    F, which this charges in full, so it errs a little high.)"""
+    forward, backward = plain.median_forward, plain.median_backward
+    return (2 * forward + backward) / (forward + backward)
+
+
+def _step_seconds(workload: Workload) -> tuple[float, float]:
+    """(forward and loss, the whole step) in seconds."""
     workload.model.zero_grad(set_to_none=True)
     started = time.perf_counter()
-    workload.forward().backward()
-    return time.perf_counter() - started
+    loss = workload.forward()
+    forward = time.perf_counter() - started
+    loss.backward()
+    return forward, time.perf_counter() - started
 
 
 def measure_checkpointing(settings: ActivationSettings = CHAPTER_MODEL,
@@ -150,16 +174,19 @@ def measure_checkpointing(settings: ActivationSettings = CHAPTER_MODEL,
     falls on both; report the median and the spread, not one sample."""
     plain, checkpointed = (settings.workload(checkpointing=c) for c in (False, True))
     times: tuple[list[float], list[float]] = ([], [])
+    forwards: tuple[list[float], list[float]] = ([], [])
     for step in range(settings.warmup + settings.repeats):
         order = (0, 1) if step % 2 == 0 else (1, 0)
         for i in order:
-            seconds = _step_seconds((plain, checkpointed)[i])
+            forward, seconds = _step_seconds((plain, checkpointed)[i])
             if step >= settings.warmup:
                 times[i].append(seconds)
+                forwards[i].append(forward)
     without, with_ = (
         CheckpointCase(c, measure_alive(w).total_bytes, settings.activation_bytes(
-            checkpointing=c), tuple(t), len(recomputed_modules(w)))
-        for c, w, t in zip((False, True), (plain, checkpointed), times, strict=True))
+            checkpointing=c), tuple(t), len(recomputed_modules(w)), tuple(f))
+        for c, w, t, f in zip((False, True), (plain, checkpointed), times, forwards,
+                              strict=True))
     return without, with_
 
 
