@@ -189,8 +189,11 @@ def test_hsdp_holds_one_shard_size_th_of_ddp_and_sends_the_closed_form_across_gr
     for row in rows.values():
         assert row.across == row.expected_across, row
         assert row.inside == row.expected_inside, row
-    # HSDP sends less across groups than DDP and FSDP, so the closed forms can tell them apart
-    assert rows[Wrapper.HSDP].across < rows[Wrapper.DDP].across < rows[Wrapper.FSDP].across
+    # DDP runs the hierarchical all-reduce HSDP's gradient path is made of: the same bytes
+    # across groups, and (g-1)/g·S fewer inside (no all-gather before backward); FSDP's flat
+    # ring sends more across, so the closed forms can tell them apart
+    assert rows[Wrapper.HSDP].across == rows[Wrapper.DDP].across < rows[Wrapper.FSDP].across
+    assert rows[Wrapper.DDP].inside * 3 == rows[Wrapper.HSDP].inside * 2
     assert rows[Wrapper.FSDP].across != 2 * (settings.groups - 1) * rows[Wrapper.FSDP].size
 
 

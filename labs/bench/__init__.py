@@ -7,7 +7,7 @@
         [--out _build/bench/collectives.csv] [--plot PATH.png]
     python -m labs.bench ddp [--world-size 2] [--bucket-cap-mb 25] [--launches 3] (see --help)
     python -m labs.bench fsdp [--memory-world-size 4] [--time-world-size 2] (see --help)
-    python -m labs.bench topology [--nodes 2 4 8] [--node-size 2] [--size 16M] (see --help)
+    python -m labs.bench topology [--nodes 2 4 8] [--node-size 2] [--size 16M] [--grid] (see --help)
     python -m labs.bench grading [--repeats 5] [--chapter 04_all_gather.ipynb]
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a

@@ -3,7 +3,8 @@ card as NCCL's channels) against the hierarchical one on an emulated :class:`lab
 (nodes of ``node_size`` ranks, the inter-node link 10x slower than the intra-node one),
 measured and modelled (:func:`labs.cost_model.predict_on_topology`), with the same all-reduces
 on the real loopback transport beside them. All run lock-step, the schedule the closed forms
-describe.
+describe. ``--grid`` instead times every cell of chapter 8's map of the network's latency and
+bandwidth (:class:`labs.experiments.topology.GridSettings`), of which the chapter times four.
 
 The settings, the worker and the table are chapter 8's (:mod:`labs.experiments.topology`);
 this module parses the command line into them.
@@ -14,7 +15,14 @@ from __future__ import annotations
 import argparse
 
 from labs.experiments.timing import format_size, parse_size
-from labs.experiments.topology import TopologySettings, measure_topology, topology_table
+from labs.experiments.topology import (
+    GridSettings,
+    TopologySettings,
+    grid_table,
+    measure_grid,
+    measure_topology,
+    topology_table,
+)
 from labs.link import Link
 
 
@@ -29,11 +37,26 @@ def add_topology_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, default=1e-3, help="latency of both links, seconds")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-loopback", action="store_true")
+    p.add_argument("--grid", action="store_true",
+                   help="time every cell of chapter 8's latency x bandwidth grid instead "
+                        "(flat over g channels / hierarchical, 4 nodes of 2, 2 MiB)")
 
 
 def topology_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Parse into :class:`~labs.experiments.topology.TopologySettings`, run, print the
-    table."""
+    table; with ``--grid``, every cell of :class:`~labs.experiments.topology.GridSettings`."""
+    if opts.grid:
+        base = GridSettings()
+        try:
+            grid = GridSettings(repeats=opts.repeats, measured=tuple(
+                (a, b) for a in base.inter_alphas for b in base.inter_bandwidths))
+        except ValueError as err:
+            parser.error(str(err))
+        print(f"all-reduce of {format_size(grid.size_bytes)} float32, {grid.nodes} nodes of "
+              f"{grid.node_size}; intra {grid.intra}; every cell of the grid; fastest of "
+              f"{grid.repeats} of the slowest rank")
+        print(grid_table(measure_grid(grid)))
+        return
     try:
         settings = TopologySettings(
             nodes=tuple(opts.nodes), node_size=opts.node_size, size_bytes=parse_size(opts.size),

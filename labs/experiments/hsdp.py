@@ -4,18 +4,24 @@ sends inside a group of ``shard_size`` consecutive ranks (a node) and across gro
 beside its closed form.
 
 How the bytes are split: every collective here is labs' ring, counted by a
-:class:`~labs.collectives.Recorder`. A flat ring over N ranks (DDP's all-reduce, FSDP's
-all-gathers and reduce-scatters) sends every message of rank r to rank r+1 (mod N), so all of
-rank r's bytes cross groups when r+1 is in another group (r % g = g-1) and none otherwise.
-HSDP runs its all-gathers and reduce-scatters on the shard group (consecutive ranks: inside)
-and its all-reduce on the replicate group (one rank per group: across), each counted by its
-own recorder (``FSDP(recorder=..., replicate_recorder=...)``).
+:class:`~labs.collectives.Recorder`. DDP all-reduces its gradients with the node-aware
+all-reduce HSDP's gradient path is made of (:func:`labs.collectives.hierarchical_all_reduce`:
+reduce-scatter inside the group, all-reduce across groups, all-gather inside), so that DDP and
+HSDP differ in sharding alone, not in the choice of all-reduce. FSDP's all-gathers and
+reduce-scatters run on labs' single flat ring over all N ranks (labs' FSDP has no other ring),
+which sends every message of rank r to rank r+1 (mod N): all of rank r's bytes cross groups
+when r+1 is in another group (r % g = g-1) and none otherwise. HSDP runs its all-gathers and
+reduce-scatters on the shard group (consecutive ranks: inside) and its all-reduce on the
+replicate group (one rank per group: across), each counted by its own recorder
+(``FSDP(recorder=..., replicate_recorder=...)``).
 
 **On the emulated topology** (:class:`HsdpLinkSettings`, :func:`measure_hsdp_on_topology`):
 one Adam step of the same MLP per strategy, every message of labs' ring over a
 :class:`labs.Topology` whose nodes are the groups (``node_size = shard_size``): the step time
-(median of the slowest rank over a few steps, and its range) and the bytes each rank sends to
-other nodes (``Recorder(node_size=g)``), beside their exact closed forms
+(median of the slowest rank over a few steps, and its range) beside a model of it
+(:func:`model_step_seconds`: the step's computation, timed on the same ranks without a
+message, plus the port model of every collective the strategy issues), and the bytes each
+rank sends to other nodes (``Recorder(node_size=g)``), beside their exact closed forms
 (:func:`expected_across_per_rank`).
 
 **torch's HSDP** (:func:`compare_fully_shard_hsdp`): ``fully_shard`` on a 2-D
@@ -37,8 +43,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from labs.collectives import Algorithm, Recorder, ring_all_reduce, shard_bounds
-from labs.cost_model import TopologyAlgorithm, bytes_across_nodes
+from labs.collectives import (
+    Algorithm,
+    HierarchicalGroups,
+    Recorder,
+    hierarchical_all_reduce,
+    shard_bounds,
+)
+from labs.cost_model import (
+    TopologyAlgorithm,
+    bytes_across_nodes,
+    predict_on_topology,
+    ring_step_times,
+)
 from labs.ddp import DDP
 from labs.experiments.mesh import device_mesh_available
 from labs.experiments.zero import Group, holdings
@@ -151,19 +168,20 @@ def step_traffic(rank: int, world_size: int, strategy: Wrapper, settings: HsdpSe
                  ) -> tuple[int, int, int]:
     """(bytes sent inside the group, across groups, S) in one step with labs' ring.
 
-    DDP's traffic is the ring all-reduce of its gradients (flattened, as chapter 6 measures
-    it: :class:`~labs.ddp.DDP` uses torch's all-reduce, which no Recorder sees)."""
+    DDP's traffic is the hierarchical all-reduce of its gradients (flattened, as chapter 6
+    measures it: :class:`~labs.ddp.DDP` uses torch's all-reduce, which no Recorder sees),
+    the all-reduce HSDP's gradient path is made of."""
     g = settings.shard_size
     right_is_across = (rank + 1) % world_size // g != rank // g
     x = _batch(rank, settings)
     if strategy is Wrapper.DDP:
-        recorder = Recorder()
+        recorder = Recorder(node_size=g)
         net = mlp(settings.step_settings).to(rank_device())
         net(x).square().mean().backward()
         flat = torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
-        ring_all_reduce(flat, recorder=recorder)
-        sent, size = recorder.stats.bytes_sent, 4 * flat.numel()
-        return (0, sent, size) if right_is_across else (sent, 0, size)
+        hierarchical_all_reduce(flat, g, recorder=recorder)
+        across = recorder.stats.bytes_sent_across_nodes
+        return recorder.stats.bytes_sent - across, across, 4 * flat.numel()
     inside, across = Recorder(), Recorder()
     model = _model(strategy, settings, Algorithm.RING, inside,
                    across if strategy is Wrapper.HSDP else None)
@@ -215,28 +233,29 @@ class HsdpRow:
 
     @property
     def expected_inside(self) -> float:
-        """Closed form of :attr:`inside`. Flat rings (DDP: 2(N-1)/N·S per rank, FSDP:
-        3(N-1)/N·S) send inside from the N - n ranks whose right neighbour shares their
-        group; HSDP: every rank, 3(g-1)/g·S."""
+        """Closed form of :attr:`inside` (shards that divide evenly). DDP's hierarchical
+        all-reduce: every rank reduce-scatters and all-gathers inside its group, 2(g-1)/g·S;
+        HSDP: every rank, 3(g-1)/g·S (two all-gathers, one reduce-scatter); FSDP's flat ring
+        (3(N-1)/N·S per rank) sends inside from the N - n ranks whose right neighbour
+        shares their group."""
         n_ranks, g, n = self.settings.world_size, self.settings.shard_size, self.settings.groups
-        if self.strategy is Wrapper.HSDP:
-            return n_ranks * 3 * (g - 1) / g * self.size
-        per_rank = (2 if self.strategy is Wrapper.DDP else 3) * (n_ranks - 1) / n_ranks
+        if self.strategy is not Wrapper.FSDP:
+            return n_ranks * (2 if self.strategy is Wrapper.DDP else 3) * (g - 1) / g * self.size
         boundary = n if n > 1 else 0
-        return (n_ranks - boundary) * per_rank * self.size
+        return (n_ranks - boundary) * 3 * (n_ranks - 1) / n_ranks * self.size
 
     @property
     def expected_across(self) -> float:
-        """Closed form of :attr:`across`. Flat rings: the n ranks at the end of a group
-        send everything across (DDP n·2(N-1)/N·S, FSDP n·3(N-1)/N·S); HSDP: every rank
-        all-reduces S/g over the n groups, N·2(n-1)/n·S/g = 2(n-1)·S."""
+        """Closed form of :attr:`across`. DDP and HSDP: every rank all-reduces its S/g over
+        the n groups, N·2(n-1)/n·S/g = 2(n-1)·S (the same for both: the all-reduce is the
+        same); FSDP's flat ring: the n ranks at the end of a group send everything across,
+        n·3(N-1)/N·S."""
         n_ranks, n = self.settings.world_size, self.settings.groups
         if n == 1:
             return 0.0
-        if self.strategy is Wrapper.HSDP:
+        if self.strategy is not Wrapper.FSDP:
             return 2 * (n - 1) * self.size
-        per_rank = (2 if self.strategy is Wrapper.DDP else 3) * (n_ranks - 1) / n_ranks
-        return n * per_rank * self.size
+        return n * 3 * (n_ranks - 1) / n_ranks * self.size
 
 
 def rows_from(settings: HsdpSettings, per_rank: Sequence[Sequence[RankMeasurement]]
@@ -321,6 +340,9 @@ class StepOnLink:
     sent: list[int]  #: per timed step, bytes this rank sent
     across: list[int]  #: per timed step, of ``sent``, the bytes sent to other nodes
     losses: list[float]  #: per timed step, this rank's loss
+    compute: list[float] = field(default_factory=list)
+    """Per timed step, the seconds of the same step with no message (the unwrapped MLP and
+    Adam on this rank's batch): the computation the model adds to the collectives."""
 
 
 def _unit_numels(settings: HsdpSettings) -> list[int]:
@@ -340,9 +362,9 @@ def expected_across_per_rank(strategy: Wrapper, settings: HsdpSettings) -> list[
     """Exact bytes each rank sends to other nodes in one step (nodes = groups of g
     consecutive ranks, n = N/g of them), fp32, index = global rank:
 
-    * DDP, one flat ring all-reduce of the P gradients over N ranks: only a node's last rank
-      sends across, ``2S - c_r - c_(r+1)`` (about 2(N-1)/N·S;
-      :func:`labs.cost_model.bytes_across_nodes`);
+    * DDP, one hierarchical all-reduce of the P gradients (the all-reduce HSDP's gradient
+      path is made of): every rank sends its cross-node ring's traffic on its S/g, about
+      2(n-1)/n·S/g (:func:`labs.cost_model.bytes_across_nodes`);
     * FSDP, per unit of padded size P_u (a multiple of N) two all-gathers and a
       reduce-scatter over the flat ring of N: a node's last rank sends 3(N-1)·P_u/N·4 bytes,
       the others none;
@@ -356,7 +378,7 @@ def expected_across_per_rank(strategy: Wrapper, settings: HsdpSettings) -> list[
     if n == 1:
         return [0] * n_ranks
     if strategy is Wrapper.DDP:
-        return bytes_across_nodes(TopologyAlgorithm.FLAT_RING, sum(numels), 4, n_ranks, g)
+        return bytes_across_nodes(TopologyAlgorithm.HIERARCHICAL, sum(numels), 4, n_ranks, g)
     out = [0] * n_ranks
     for numel in numels:
         if strategy is Wrapper.FSDP:
@@ -372,12 +394,72 @@ def expected_across_per_rank(strategy: Wrapper, settings: HsdpSettings) -> list[
     return out
 
 
-def _ddp_step(net: nn.Module, recorder: Recorder, world_size: int) -> None:
-    """DDP's gradient synchronisation with labs' lock-step ring (every message over the
-    link, counted): all-reduce the flattened gradients, divide by N, put them back."""
+def _ring_phase_seconds(size_bytes: float, world_size: int, topology: Topology) -> float:
+    """Seconds of one lock-step ring all-gather or reduce-scatter of ``size_bytes`` (the whole
+    gathered tensor) over ``world_size`` consecutive ranks on ``topology``: the first N-1 of
+    the flat ring all-reduce's steps (:func:`labs.cost_model.ring_step_times`), each a chunk
+    of S/N."""
+    times = ring_step_times(size_bytes, world_size, topology)
+    return max(times[world_size - 2]) if times else 0.0
+
+
+def model_step_seconds(strategy: Wrapper, settings: HsdpLinkSettings, compute: float = 0.0
+                       ) -> float:
+    """The model of one step of ``strategy`` on ``settings.topology``: ``compute`` (the step
+    without messages, timed) plus every collective it issues, one after another (labs' rings
+    block), each priced by the port model from all ranks starting together. N ranks, n nodes
+    of g, T_i and T_e the links inside and between nodes, P_u the elements of unit u, S =
+    4·sum(P_u):
+
+    * DDP: one hierarchical all-reduce of S,
+      ``2(g-1) T_i(S/g) + 2(n-1) T_e(S/(gn))`` (:func:`labs.cost_model.predict_on_topology`);
+    * FSDP: per unit, two all-gathers (forward, backward) and a reduce-scatter of its padded
+      4·P_u on the flat ring over all N (:func:`_ring_phase_seconds`);
+    * HSDP: per unit of shard k_u = ceil(P_u/g), two all-gathers and a reduce-scatter inside
+      the node, ``3 (g-1) T_i(4 k_u)``, and the all-reduce of the shard across the n nodes,
+      ``2(n-1) T_e(4 k_u/n)``.
+
+    Against DDP, HSDP sends the same bytes between nodes and (g-1)/g·S more inside (the
+    backward all-gather), and pays every latency once per unit instead of once per step."""
+    model_settings = settings.model
+    n_ranks, g = model_settings.world_size, model_settings.shard_size
+    n, topology = n_ranks // g, settings.topology
+    numels = _unit_numels(model_settings)
+    if strategy is Wrapper.DDP:
+        return compute + predict_on_topology(TopologyAlgorithm.HIERARCHICAL, 4 * sum(numels),
+                                             n_ranks, topology)
+    total = compute
+    for numel in numels:
+        if strategy is Wrapper.FSDP:
+            padded = -(-numel // n_ranks) * n_ranks
+            total += 3 * _ring_phase_seconds(4 * padded, n_ranks, topology)
+        else:
+            shard = -(-numel // g)
+            total += 3 * (g - 1) * topology.intra.seconds(4 * shard)
+            if n > 1:
+                total += 2 * (n - 1) * topology.inter.seconds(4 * shard / n)
+    return total
+
+
+def backward_gather_seconds(settings: HsdpLinkSettings) -> float:
+    """The model's seconds of HSDP's all-gathers before backward, one per unit inside the
+    node, ``sum_u (g-1) T_i(4 k_u)``: the collective HSDP issues that DDP's hierarchical
+    all-reduce has no counterpart for. The rest of :func:`model_step_seconds`' difference
+    between HSDP and DDP is latencies (HSDP pays them per unit)."""
+    g = settings.model.shard_size
+    return sum((g - 1) * settings.topology.intra.seconds(4 * -(-numel // g))
+               for numel in _unit_numels(settings.model))
+
+
+def _ddp_step(net: nn.Module, recorder: Recorder, world_size: int,
+              groups: HierarchicalGroups) -> None:
+    """DDP's gradient synchronisation with labs' lock-step hierarchical all-reduce (every
+    message over the link, counted), the all-reduce HSDP's gradient path is made of:
+    all-reduce the flattened gradients, divide by N, put them back."""
     grads = [p.grad for p in net.parameters() if p.grad is not None]
     flat = torch.cat([gr.reshape(-1) for gr in grads])  # 1-D float32, P elements
-    ring_all_reduce(flat, recorder=recorder, segment_bytes=None)
+    hierarchical_all_reduce(flat, groups.node_size, recorder=recorder, groups=groups,
+                            segment_bytes=None)
     flat /= world_size
     offset = 0
     for gr in grads:
@@ -397,6 +479,8 @@ def hsdp_step_worker(rank: int, world_size: int, settings: HsdpLinkSettings
                          f"{model_settings.world_size}.")
     g = model_settings.shard_size
     x = _batch(rank, model_settings)
+    groups = HierarchicalGroups.build(g)
+    compute = _local_steps(x, settings)
     out = []
     for strategy in HSDP_STRATEGIES:
         recorder = Recorder(node_size=g)
@@ -417,7 +501,7 @@ def hsdp_step_worker(rank: int, world_size: int, settings: HsdpLinkSettings
             if isinstance(model, FSDP):
                 model.finish_gradient_synchronization()
             else:
-                _ddp_step(net, recorder, world_size)
+                _ddp_step(net, recorder, world_size, groups)
             optimizer.step()
             elapsed = time.monotonic() - start
             if step >= settings.warmup:
@@ -425,8 +509,25 @@ def hsdp_step_worker(rank: int, world_size: int, settings: HsdpLinkSettings
                 sent.append(recorder.stats.bytes_sent - before[0])
                 across.append(recorder.stats.bytes_sent_across_nodes - before[1])
                 losses.append(loss.item())
-        out.append(StepOnLink(strategy, rank, seconds, sent, across, losses))
+        out.append(StepOnLink(strategy, rank, seconds, sent, across, losses, compute))
     return out
+
+
+def _local_steps(x: torch.Tensor, settings: HsdpLinkSettings) -> list[float]:
+    """Seconds of each timed step of the unwrapped MLP and Adam on this rank, no message
+    sent, each from a barrier (all ranks compute at once, as in a real step)."""
+    net = mlp(settings.model.step_settings).to(rank_device())
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    seconds = []
+    for step in range(settings.warmup + settings.model.steps):
+        dist.barrier()
+        start = time.monotonic()
+        optimizer.zero_grad()
+        net(x).square().mean().backward()
+        optimizer.step()
+        if step >= settings.warmup:
+            seconds.append(time.monotonic() - start)
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -439,10 +540,18 @@ class HsdpLinkRow:
     expected_across: list[int]  #: :func:`expected_across_per_rank`
     inside: list[int]  #: per rank, bytes sent inside its node in one step
     losses: list[float]  #: per timed step, the mean loss over ranks
+    compute: float = 0.0
+    """The step without messages: median over timed steps of the slowest rank's seconds."""
+    model: float = 0.0
+    """:func:`model_step_seconds` with :attr:`compute`."""
 
     @property
     def median(self) -> float:
         return statistics.median(self.seconds)
+
+    @property
+    def fastest(self) -> float:
+        return min(self.seconds)
 
     @property
     def spread(self) -> tuple[float, float]:
@@ -459,10 +568,13 @@ def link_rows_from(settings: HsdpLinkSettings, per_rank: Sequence[Sequence[StepO
                       key=lambda m: m.rank)
         seconds = [max(t) for t in zip(*(m.seconds for m in mine), strict=True)]
         losses = [statistics.fmean(v) for v in zip(*(m.losses for m in mine), strict=True)]
+        local = [max(t) for t in zip(*(m.compute for m in mine), strict=True)]
+        compute = statistics.median(local) if local else 0.0
         rows.append(HsdpLinkRow(
             strategy, seconds, [m.across[-1] for m in mine],
             expected_across_per_rank(strategy, settings.model),
-            [m.sent[-1] - m.across[-1] for m in mine], losses))
+            [m.sent[-1] - m.across[-1] for m in mine], losses, compute,
+            model_step_seconds(strategy, settings, compute)))
     return rows
 
 
@@ -475,14 +587,23 @@ def measure_hsdp_on_topology(settings: HsdpLinkSettings = LINK_SETTINGS,
     return link_rows_from(settings, per_rank)
 
 
+#: What each strategy's gradient path runs, for the tables.
+COLLECTIVES = {Wrapper.DDP: "hierarchical all-reduce",
+               Wrapper.FSDP: "flat ring AG, AG, RS",
+               Wrapper.HSDP: "AG, AG, RS inside + all-reduce across"}
+
+
 def hsdp_link_table(rows: Sequence[HsdpLinkRow]) -> str:
-    """Step time (median of the slowest rank, and the range) and bytes sent across nodes per
+    """Step time (median of the slowest rank, and the range) beside the model
+    (:func:`model_step_seconds`, of which the computation), and bytes sent across nodes per
     step (all ranks, the busiest rank), measured beside the closed form."""
-    header = ["strategy", "step (s)", "range (s)", "across, all ranks (B)", "closed form",
+    header = ["strategy", "collectives", "step (s)", "range (s)", "model (s)",
+              "of which compute", "across, all ranks (B)", "closed form",
               "across, max rank (B)", "inside, all ranks (B)"]
-    body = [[label(r.strategy), f"{r.median:.3f}",
-             f"{r.spread[0]:.3f}-{r.spread[1]:.3f}", sum(r.across), sum(r.expected_across),
-             max(r.across), sum(r.inside)] for r in rows]
+    body = [[label(r.strategy), COLLECTIVES[r.strategy], f"{r.median:.3f}",
+             f"{r.spread[0]:.3f}-{r.spread[1]:.3f}", f"{r.model:.3f}", f"{r.compute:.3f}",
+             sum(r.across), sum(r.expected_across), max(r.across), sum(r.inside)]
+            for r in rows]
     return format_table(header, body)
 
 

@@ -10,6 +10,11 @@ milliseconds a sleeping rank wakes late, short enough for a notebook.
 * :func:`time_both` (worker) and :func:`measure_topology` time every all-reduce, lock-step
   (``segment_bytes=None``, the schedule :func:`labs.cost_model.predict_on_topology` describes),
   for every node count of the settings; :func:`topology_table` prints them beside the model.
+* :class:`GridSettings`, :func:`model_grid` and :func:`measure_grid`: the flat all-reduce over
+  g channels against the hierarchical one over a grid of the network's latency and bandwidth,
+  the model at every cell and real ranks at a few (:func:`grid_table`): where the hierarchy's
+  2(n-1) network latencies, against the channels' 2(N-1), pay for its two phases inside the
+  node.
 * :func:`ring_step_trace` (worker) records when each rank finishes each of the flat ring's
   2(N-1) steps; :func:`trace_ring_steps` sets the slowest rank's steps beside
   :func:`labs.cost_model.ring_step_times` and names the hop each step waited for
@@ -102,13 +107,14 @@ CHAPTER_TRACE_NODES = 4
 # --- flat ring vs hierarchical ------------------------------------------------------------------
 
 
-def time_both(rank: int, world_size: int, node_size: int, nbytes: int, repeats: int
+def time_both(rank: int, world_size: int, node_size: int, nbytes: int, repeats: int,
+              algorithms: tuple[TopologyAlgorithm, ...] = tuple(TopologyAlgorithm)
               ) -> dict[TopologyAlgorithm, list[float]]:
-    """Worker: seconds of each call of each algorithm on this rank, from a barrier. Every
-    result is checked (the sum of the ranks' ids everywhere)."""
+    """Worker: seconds of each call of each of ``algorithms`` on this rank, from a barrier.
+    Every result is checked (the sum of the ranks' ids everywhere)."""
     groups = HierarchicalGroups.build(node_size)
     out: dict[TopologyAlgorithm, list[float]] = {}
-    for algorithm in TopologyAlgorithm:
+    for algorithm in algorithms:
         times = []
         for _ in range(repeats):
             tensor = torch.full((nbytes // 4,), float(rank))  # 1-D float32, S bytes
@@ -218,6 +224,150 @@ def topology_table(rows: Sequence[TopologyRow]) -> str:
                 f"{statistics.median(r.loopback[hier]):.4f}"]
         body.append(line)
     return format_table(headers, body)
+
+
+# --- where the hierarchy wins: a grid of network latencies and bandwidths ------------------------
+
+#: The two all-reduces the grid sets against each other: the flat one as NCCL runs it and the
+#: hierarchical one.
+GRID_ALGORITHMS = (TopologyAlgorithm.MULTI_RING, TopologyAlgorithm.HIERARCHICAL)
+
+
+@dataclass(frozen=True)
+class GridSettings:
+    """The flat all-reduce over g channels against the hierarchical one on ``nodes`` nodes of
+    ``node_size``, for every inter-node link ``Link(alpha, bandwidth)`` with ``alpha`` in
+    ``inter_alphas`` and ``bandwidth`` in ``inter_bandwidths`` (the node's own link stays
+    ``intra``), an all-reduce of ``size_bytes``; the model prices every point, and real ranks
+    time the points in ``measured`` (fastest of ``repeats`` calls, each the slowest rank's).
+
+    The defaults are the chapter's: the timed table's 4 nodes of 2, 2 MiB, the node's link
+    (1 ms, 50 MB/s), and the network from as slow as the timed table's (1 ms, 5 MB/s) to 30
+    times its latency and as fast as the node's link. The measured points are four that span
+    the map and where every modelled step is long beside what a step costs this machine's
+    processes (about a millisecond for 8 ranks on 2 cores: the emulated link cannot hide it)."""
+
+    nodes: int = 4
+    node_size: int = 2
+    size_bytes: int = 2 << 20
+    intra: Link = Link(alpha=1e-3, bandwidth=50e6)
+    inter_alphas: tuple[float, ...] = (1e-3, 3e-3, 10e-3, 30e-3)
+    inter_bandwidths: tuple[float, ...] = (5e6, 10e6, 25e6, 50e6)
+    measured: tuple[tuple[float, float], ...] = ((1e-3, 5e6), (1e-3, 25e6), (30e-3, 5e6),
+                                                 (30e-3, 50e6))
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        # the shared checks (node count, sizes, links, repeats) are TopologySettings'
+        TopologySettings(nodes=(self.nodes,), node_size=self.node_size,
+                         size_bytes=self.size_bytes, intra=self.intra, repeats=self.repeats)
+        for name in ("inter_alphas", "inter_bandwidths"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not values or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float))
+                    or not math.isfinite(v) or v < 0 for v in values):
+                raise ValueError(f"{name} must be a non-empty tuple of finite numbers >= 0, "
+                                 f"got {values!r}.")
+        if any(b <= 0 for b in self.inter_bandwidths):
+            raise ValueError(f"inter_bandwidths must be > 0 (bytes/s), got "
+                             f"{self.inter_bandwidths!r}.")
+        if not isinstance(self.measured, tuple) or any(
+                not isinstance(p, tuple) or len(p) != 2 or p[0] not in self.inter_alphas
+                or p[1] not in self.inter_bandwidths for p in self.measured):
+            raise ValueError(f"measured must be a tuple of (alpha, bandwidth) points of the "
+                             f"grid, each alpha in {self.inter_alphas} and bandwidth in "
+                             f"{self.inter_bandwidths}; got {self.measured!r}.")
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.node_size
+
+    def topology(self, alpha: float, bandwidth: float) -> Topology:
+        """The topology at one point of the grid."""
+        return Topology(self.node_size, self.intra, Link(alpha, bandwidth))
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One point of the grid: the model's seconds of each of :data:`GRID_ALGORITHMS`, and,
+    where real ranks ran, per call the slowest rank's seconds."""
+
+    alpha: float  #: the inter-node link's latency (s)
+    bandwidth: float  #: and its bandwidth (bytes/s)
+    model: dict[TopologyAlgorithm, float]
+    measured: dict[TopologyAlgorithm, list[float]] | None = None
+
+    @property
+    def model_ratio(self) -> float:
+        """Model: flat over g channels / hierarchical (above 1: the hierarchy is faster)."""
+        return self.model[TopologyAlgorithm.MULTI_RING] / self.model[
+            TopologyAlgorithm.HIERARCHICAL]
+
+    def fastest(self, algorithm: TopologyAlgorithm) -> float:
+        if self.measured is None:
+            raise ValueError("this point was not measured.")
+        return min(self.measured[algorithm])
+
+    @property
+    def ratio(self) -> float:
+        """Measured: the fastest call of the flat all-reduce over g channels / the fastest of
+        the hierarchical one."""
+        return self.fastest(TopologyAlgorithm.MULTI_RING) / self.fastest(
+            TopologyAlgorithm.HIERARCHICAL)
+
+
+def model_grid(settings: GridSettings = GridSettings()) -> list[list[GridPoint]]:
+    """The model at every point: ``grid[i][j]`` for ``inter_alphas[i]`` and
+    ``inter_bandwidths[j]`` (:func:`labs.cost_model.predict_on_topology`). No process
+    starts."""
+    return [[GridPoint(alpha, bandwidth, {
+        a: predict_on_topology(a, settings.size_bytes, settings.ranks,
+                               settings.topology(alpha, bandwidth)) for a in GRID_ALGORITHMS})
+             for bandwidth in settings.inter_bandwidths] for alpha in settings.inter_alphas]
+
+
+def measure_grid(settings: GridSettings = GridSettings(),
+                 timed: tuple[TopologySettings, Sequence[TopologyRow]] | None = None,
+                 timeout: float = 300.0) -> list[GridPoint]:
+    """One launch per point of ``settings.measured`` on its topology: both all-reduces,
+    ``settings.repeats`` calls each, beside the model. ``timed``, the settings and rows of a
+    :func:`measure_topology` run, saves a launch: a point whose run is already there (same
+    node size, node count, size, links and repeats) takes its calls from it."""
+    out = []
+    for alpha, bandwidth in settings.measured:
+        topology = settings.topology(alpha, bandwidth)
+        calls = None
+        if timed is not None:
+            done, rows = timed
+            if (done.node_size, done.size_bytes, done.intra, done.inter, done.repeats) == (
+                    settings.node_size, settings.size_bytes, settings.intra,
+                    Link(alpha, bandwidth), settings.repeats):
+                calls = next(({a: r.measured[a] for a in GRID_ALGORITHMS} for r in rows
+                              if r.nodes == settings.nodes), None)
+        if calls is None:
+            per_rank = launch(time_both, settings.ranks,
+                              args=(settings.node_size, settings.size_bytes, settings.repeats,
+                                    GRID_ALGORITHMS),
+                              link=topology, echo=False, timeout=timeout)
+            calls = {a: slowest(per_rank, a) for a in GRID_ALGORITHMS}
+        out.append(GridPoint(
+            alpha, bandwidth,
+            {a: predict_on_topology(a, settings.size_bytes, settings.ranks, topology)
+             for a in GRID_ALGORITHMS}, calls))
+    return out
+
+
+def grid_table(points: Sequence[GridPoint]) -> str:
+    """Per measured point: the network's latency and bandwidth, each all-reduce's fastest
+    call beside its model, and the ratio flat over g channels / hierarchical, measured and
+    modelled."""
+    multi, hier = GRID_ALGORITHMS
+    body = [[f"{1e3 * p.alpha:g}", f"{p.bandwidth / 1e6:g}",
+             f"{1e3 * p.fastest(multi):.0f}", f"{1e3 * p.model[multi]:.0f}",
+             f"{1e3 * p.fastest(hier):.0f}", f"{1e3 * p.model[hier]:.0f}",
+             f"{p.ratio:.2f}", f"{p.model_ratio:.2f}"] for p in points]
+    return format_table(["alpha_e (ms)", "network (MB/s)", "g channels (ms)", "model",
+                         "hier. (ms)", "model", "channels / hier.", "model"], body)
 
 
 # --- the flat ring, step by step ----------------------------------------------------------------

@@ -1,17 +1,19 @@
 """Chapter 8's topology figures: the flat ring step by step (measured beside the port model,
-each step coloured by the hop it waited for), and the flat all-reduce (one ring, and g
-channels) against the hierarchical one across node counts."""
+each step coloured by the hop it waited for), the flat all-reduce (one ring, and g channels)
+against the hierarchical one across node counts, and the map of where the hierarchy wins over
+a grid of network latencies and bandwidths."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 
 from labs.cost_model import TopologyAlgorithm
-from labs.experiments.topology import StepRow, TopologyRow
+from labs.experiments.topology import GridPoint, StepRow, TopologyRow
 from labs.link import LinkKind
 
 #: Colour of a step by the hop it waited for.
@@ -87,5 +89,43 @@ def plot_flat_vs_hierarchical(rows: Sequence[TopologyRow], title: str = "") -> F
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.set_title(title or "Flat (one ring, g channels) vs hierarchical all-reduce", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ratio_grid(grid: Sequence[Sequence[GridPoint]], measured: Sequence[GridPoint] = (),
+                    title: str = "") -> Figure:
+    """The model's time of the flat all-reduce over g channels over the hierarchical one's at
+    every point of ``grid`` (from :func:`labs.experiments.topology.model_grid`: rows by the
+    network's latency, columns by its bandwidth), as a heatmap with the ratio written in each
+    cell; red where the hierarchy is faster (ratio above 1), blue where the channels are.
+    Each point of ``measured`` (:func:`labs.experiments.topology.measure_grid`) is outlined,
+    with the measured ratio under the model's."""
+    alphas = [row[0].alpha for row in grid]
+    bandwidths = [p.bandwidth for p in grid[0]]
+    ratios = [[p.model_ratio for p in row] for row in grid]
+    spread = max(abs(math.log(r)) for row in ratios for r in row) or 1.0
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    image = ax.imshow([[math.log(r) for r in row] for row in ratios], cmap="coolwarm",
+                      vmin=-spread, vmax=spread, origin="lower", aspect="auto")
+    timed = {(p.alpha, p.bandwidth): p for p in measured}
+    for i, row in enumerate(grid):
+        for j, point in enumerate(row):
+            text = f"{point.model_ratio:.2f}"
+            got = timed.get((point.alpha, point.bandwidth))
+            if got is not None:
+                text += f"\nmeasured {got.ratio:.2f}"
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="k",
+                                       linewidth=2))
+            ax.text(j, i, text, ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(bandwidths)), [f"{b / 1e6:g}" for b in bandwidths])
+    ax.set_yticks(range(len(alphas)), [f"{1e3 * a:g}" for a in alphas])
+    ax.set_xlabel("network bandwidth (MB/s per card)")
+    ax.set_ylabel("network latency alpha_e (ms)")
+    bar = fig.colorbar(image, ax=ax, ticks=[-spread, 0.0, spread])
+    bar.ax.set_yticklabels([f"{math.exp(-spread):.2f}", "1", f"{math.exp(spread):.2f}"])
+    bar.set_label("g channels / hierarchical (model)", fontsize=8)
+    ax.set_title(title or "Time of the flat all-reduce over g channels / hierarchical",
+                 fontsize=10)
     fig.tight_layout()
     return fig
