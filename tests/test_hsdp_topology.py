@@ -25,11 +25,9 @@ from labs.cost_model import TopologyAlgorithm, ring_step_times  # noqa: E402
 from labs.experiments.hsdp import (  # noqa: E402
     HsdpLinkSettings,
     HsdpSettings,
-    compare_fully_shard_hsdp,
     expected_across_per_rank,
     hsdp_link_table,
     measure_hsdp_on_topology,
-    torch_hsdp_difference,
 )
 from labs.experiments.topology import (  # noqa: E402
     StepRow,
@@ -40,6 +38,10 @@ from labs.experiments.topology import (  # noqa: E402
     step_table,
     topology_table,
     trace_ring_steps,
+)
+from labs.experiments.torch_hsdp import (  # noqa: E402
+    compare_fully_shard_hsdp,
+    torch_hsdp_difference,
 )
 from labs.link import LinkKind  # noqa: E402
 from labs.p2p import Phase  # noqa: E402
