@@ -167,7 +167,7 @@ def test_trace_settings_refuse_unreadable_traces():
 
 def test_measured_traffic_equals_the_closed_forms():
     rows = measure_traffic(range(2, 9))
-    assert len(rows) == 7 * 4
+    assert len(rows) == 7 * 6  # N = 2..8, six algorithms
     assert all(row.matches for row in rows), traffic_table([r for r in rows if not r.matches])
     table = traffic_table(rows)
     assert "NO" not in table
@@ -177,7 +177,7 @@ def test_measured_traffic_equals_the_closed_forms():
     naive8 = next(r for r in rows if r.world_size == 8 and r.algorithm is Algorithm.NAIVE)
     assert naive8.measured == Traffic(7, Fraction(7), Fraction(7), 14)
     fig = plot_traffic(rows)
-    assert [len(ax.lines) for ax in fig.axes] == [4, 4]
+    assert [len(ax.lines) for ax in fig.axes] == [6, 6]
     matplotlib.pyplot.close(fig)
 
 

@@ -547,10 +547,6 @@ class HsdpLinkRow:
         return statistics.median(self.seconds)
 
     @property
-    def fastest(self) -> float:
-        return min(self.seconds)
-
-    @property
     def spread(self) -> tuple[float, float]:
         """(fastest, slowest) timed step."""
         return min(self.seconds), max(self.seconds)

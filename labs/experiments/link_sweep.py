@@ -80,6 +80,10 @@ class LinkSweepSettings:
     min_seconds: float = 0.5
     start_delay_s: float = 0.01
     segment_bytes: int | None = DEFAULT_SEGMENT_BYTES
+    #: When set, a case the model puts at more than this many times the fastest algorithm of
+    #: its size and world size is not run (:meth:`runs`): a map of which algorithm is fastest
+    #: need not spend seconds on one that is several times slower by the model.
+    skip_beyond: float | None = None
 
     def validate(self) -> None:
         """Raise ValueError (TypeError for a wrong link), saying what to change, before any
@@ -96,8 +100,9 @@ class LinkSweepSettings:
         wrong = [a for a in self.algorithms if a in (Algorithm.TORCH,)]
         if not self.algorithms or wrong:
             raise ValueError("algorithms must be labs' own all-reduces (naive, whole-tensor "
-                             "ring, ring, recursive doubling): torch's built-in sends its own "
-                             "messages, which the link does not carry.")
+                             "ring, ring, recursive doubling, halving-doubling, double tree): "
+                             "torch's built-in sends its own messages, which the link does not "
+                             "carry.")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) \
                 or self.repeats < 1:
             raise ValueError(f"repeats must be an int >= 1, got {self.repeats!r}.")
@@ -107,16 +112,31 @@ class LinkSweepSettings:
         if not 0 < self.start_delay_s < 1:
             raise ValueError(f"start_delay_s must lie between 0 and 1 s, got "
                              f"{self.start_delay_s!r}.")
+        if self.skip_beyond is not None and not (isinstance(self.skip_beyond, (int, float))
+                                                 and self.skip_beyond >= 1):
+            raise ValueError(f"skip_beyond must be None (run every case) or a number >= 1 "
+                             f"(times the fastest by the model), got {self.skip_beyond!r}.")
 
     def predict(self, algorithm: Algorithm, size_bytes: int, world_size: int) -> float:
         """The model's seconds for one case (:func:`labs.cost_model.predict_on_link`)."""
         return predict_on_link(algorithm, size_bytes, world_size, self.link,
                                segment_bytes=self.segment_bytes)
 
+    def runs(self, algorithm: Algorithm, size_bytes: int, world_size: int) -> bool:
+        """Whether the case is run: always, unless ``skip_beyond`` is set and the model puts
+        it at more than ``skip_beyond`` times the fastest of ``algorithms`` at that size."""
+        if self.skip_beyond is None:
+            return True
+        fastest = min(self.predict(a, size_bytes, world_size) for a in self.algorithms)
+        return self.predict(algorithm, size_bytes, world_size) <= self.skip_beyond * fastest
+
     def repeats_of(self, algorithm: Algorithm, size_bytes: int, world_size: int) -> int:
         """Timed calls of one case: ``repeats``, or more for a short case, up to
-        ``3 * repeats``, so that their model times add up to ``min_seconds``. It depends on the
-        settings alone, so every rank agrees on it without a message."""
+        ``3 * repeats``, so that their model times add up to ``min_seconds``; 0 for a case
+        that is not run. It depends on the settings alone, so every rank agrees on it without
+        a message."""
+        if not self.runs(algorithm, size_bytes, world_size):
+            return 0
         wanted = math.ceil(self.min_seconds / self.predict(algorithm, size_bytes, world_size))
         return max(self.repeats, min(3 * self.repeats, wanted))
 
@@ -125,10 +145,14 @@ class LinkSweepSettings:
 class LinkTiming:
     """One case measured on the link.
 
-    On the link the machine can only add time to a call (a rank that wakes late, an addition,
-    a real message slower than its modelled one), so the **fastest** call is the one it
-    disturbed least, and the one held against the model; the slowest shows how much the
-    machine added at worst.
+    On the link the machine adds time to a call (a rank that wakes late, an addition, a real
+    message slower than its modelled one), so the **fastest** call is the one it disturbed
+    least, and the one held against the model; the slowest shows how much the machine added
+    at worst. A call's time runs from the moment the last rank started, and the ranks start up
+    to a millisecond or more apart: an algorithm whose first messages do not wait for the
+    last rank (the naive one's, when the last rank is the root) has done part of its work by
+    then, and a call can come out faster than the model by up to its spread
+    (:attr:`from_first_start` counts from the first rank's start instead).
 
     Attributes:
         seconds: every repeat's time (the slowest rank's), in the order they ran.
@@ -142,11 +166,20 @@ class LinkTiming:
     seconds: tuple[float, ...]
     predicted: float
     correct: bool
+    #: per call, how long after the first rank the last one started (the call's time runs
+    #: from the last start: what the first ranks did before it is not counted)
+    spreads: tuple[float, ...] = ()
 
     @property
     def fastest(self) -> float:
         """The fastest call."""
         return min(self.seconds)
+
+    @property
+    def from_first_start(self) -> tuple[float, ...]:
+        """Every call's time counted from the first rank's start (seconds + spread): no
+        faster than the model on an undisturbed link, whichever rank started last."""
+        return tuple(t + s for t, s in zip(self.seconds, self.spreads, strict=True))
 
     @property
     def median(self) -> float:
@@ -189,9 +222,10 @@ def _call(algorithm: Algorithm, tensor: torch.Tensor, segment_bytes: int | None)
 
 def link_sweep_worker(
     rank: int, world_size: int, settings: LinkSweepSettings,
-) -> tuple[list[list[float]], list[bool]]:
+) -> tuple[list[list[float]], list[list[float]], list[bool]]:
     """Rank worker: per case (sizes outer, algorithms inner), every repeat's seconds (the
-    same on every rank) and whether every call gave the exact sum.
+    same on every rank), how far apart the ranks started each repeat, and whether every call
+    gave the exact sum.
 
     Rank r adds r + 1, so the sum is N(N+1)/2, exact in float32. One call of each algorithm
     on the smallest size first, untimed: the first call of a process pays for allocating and
@@ -203,9 +237,9 @@ def link_sweep_worker(
               settings.segment_bytes)
     cases = [(size, a) for size in settings.sizes for a in algorithms]
     counts = [settings.repeats_of(a, size, world_size) for size, a in cases]
-    # [case, repeat, 0]: when this rank really started, [..., 1]: when it returned, both
-    # counted from the agreed moment.
-    moments = torch.zeros(len(cases), max(counts), 2, dtype=torch.float64)
+    # [case, repeat, 0]: when this rank really started, [..., 1]: when it returned, [..., 2]:
+    # minus when it started (its maximum is the first start), all from the agreed moment.
+    moments = torch.zeros(len(cases), max(counts), 3, dtype=torch.float64)
     correct = torch.ones(len(cases), dtype=torch.int32)
     for s, size in enumerate(settings.sizes):
         mine = range(s * len(algorithms), (s + 1) * len(algorithms))
@@ -216,6 +250,7 @@ def link_sweep_worker(
                 tensor = torch.full((size // 4,), float(rank + 1))
                 agreed = _start_together(settings.start_delay_s)
                 moments[c, repeat, 0] = time.monotonic() - agreed
+                moments[c, repeat, 2] = -moments[c, repeat, 0]
                 _call(cases[c][1], tensor, settings.segment_bytes)
                 moments[c, repeat, 1] = time.monotonic() - agreed
                 if not bool((tensor == expected).all()):
@@ -223,7 +258,9 @@ def link_sweep_worker(
     dist.all_reduce(moments, op=dist.ReduceOp.MAX)  # the last rank to start, the last to end
     dist.all_reduce(correct, op=dist.ReduceOp.MIN)
     seconds = moments[..., 1] - moments[..., 0]
+    spreads = moments[..., 0] + moments[..., 2]
     return ([seconds[c, :counts[c]].tolist() for c in range(len(cases))],
+            [spreads[c, :counts[c]].tolist() for c in range(len(cases))],
             [bool(c) for c in correct.tolist()])
 
 
@@ -239,11 +276,14 @@ def measure_on_link(settings: LinkSweepSettings | None = None) -> list[LinkTimin
         results = launch(link_sweep_worker, n, args=(settings,), backend=Backend.GLOO,
                          echo=False, link=settings.link, threads=COMM_THREADS,
                          timeout=60 + 3 * emulated)
-        seconds, correct = results[0]
+        seconds, spreads, correct = results[0]
         cases = [(size, a) for size in settings.sizes for a in settings.algorithms]
-        for (size, algorithm), times, right in zip(cases, seconds, correct, strict=True):
+        for (size, algorithm), times, spread, right in zip(cases, seconds, spreads, correct,
+                                                            strict=True):
+            if not times:  # not run (skip_beyond)
+                continue
             rows.append(LinkTiming(n, algorithm, size, tuple(times),
-                                   settings.predict(algorithm, size, n), right))
+                                   settings.predict(algorithm, size, n), right, tuple(spread)))
     return rows
 
 

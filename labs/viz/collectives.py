@@ -22,6 +22,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from labs.collectives import Algorithm, Phase, RingStep, shard_bounds
 from labs.cost_model import crossover_on_link
+from labs.experiments.algorithm_map import SHORT, MapCell
 from labs.experiments.collectives import TrafficRow
 from labs.experiments.link_sweep import LinkSweepSettings, LinkTiming
 from labs.experiments.timing import CollectiveTiming, format_size
@@ -77,7 +78,7 @@ def plot_traffic(rows: Sequence[TrafficRow]) -> Figure:
     (each pays the per-message latency alpha)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2), layout="constrained")
     # Lines that coincide (naive and whole-tensor ring) stay visible: thick under thin.
-    styles = [("o-", 5.0), ("s--", 1.5), ("^-", 1.5), ("D-", 1.5), ("v:", 1.5)]
+    styles = [("o-", 5.0), ("s--", 1.5), ("^-", 1.5), ("D-", 1.5), ("v:", 1.5), ("P-.", 1.5)]
     for i, algorithm in enumerate(dict.fromkeys(r.algorithm for r in rows)):
         mine = sorted((r for r in rows if r.algorithm is algorithm), key=lambda r: r.world_size)
         sizes = [r.world_size for r in mine]
@@ -512,4 +513,41 @@ def plot_link_sweep(timings: Sequence[LinkTiming], settings: LinkSweepSettings,
     fig.suptitle(f"All-reduce on the emulated link (alpha = {link.alpha * 1e3:g} ms, "
                  f"{link.bandwidth / 1e6:g} MB/s): the fastest call of each case (marker), "
                  "up to the slowest (bar)", fontsize=10)
+    return fig
+
+
+def plot_algorithm_map(cells: Sequence[MapCell]) -> Figure:
+    """The algorithm map: world sizes (rows) x sizes (columns), each cell coloured by the
+    algorithm measured fastest and labelled with it and its margin over the runner-up; below
+    it, the model's fastest (every algorithm within the map's ``near`` of it), and a red frame
+    where the two disagree (:attr:`MapCell.agrees`)."""
+    world_sizes = sorted({c.world_size for c in cells})
+    sizes = sorted({c.size_bytes for c in cells})
+    algorithms = list(dict.fromkeys(a for c in cells for a in c.by_model))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {a: palette[i % len(palette)] for i, a in enumerate(algorithms)}
+    fig, ax = plt.subplots(figsize=(1.35 * len(sizes) + 1.2, 1.05 * len(world_sizes) + 1.3),
+                           layout="constrained")
+    for c in cells:
+        x, y = sizes.index(c.size_bytes), world_sizes.index(c.world_size)
+        ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, color=colour[c.measured], alpha=0.35))
+        if not c.agrees:
+            ax.add_patch(Rectangle((x - 0.47, y - 0.47), 0.94, 0.94, fill=False, ec="red", lw=2))
+        margin = "" if math.isinf(c.margin) else f" ({c.margin:.2f}x)"
+        ax.text(x, y + 0.13, f"{SHORT[c.measured]}{margin}", ha="center", va="center",
+                fontsize="small", weight="bold")
+        names = [SHORT[a] for a in c.contenders]
+        lines = [" = ".join(names[i:i + 2]) for i in range(0, len(names), 2)]
+        ax.text(x, y - 0.22, "model: " + "\n= ".join(lines), ha="center", va="center",
+                fontsize="x-small")
+    ax.set_xlim(-0.5, len(sizes) - 0.5)
+    ax.set_ylim(-0.5, len(world_sizes) - 0.5)
+    ax.set_xticks(range(len(sizes)), [format_size(s) for s in sizes])
+    ax.set_yticks(range(len(world_sizes)), [f"N = {n}" for n in world_sizes])
+    ax.set_xlabel("size S")
+    fig.legend(handles=[Patch(color=colour[a], alpha=0.35, label=a.value) for a in algorithms],
+               loc="outside lower center", ncol=len(algorithms), fontsize="x-small")
+    ax.set_title("Fastest all-reduce on the link. Bold: measured (the runner-up's fastest call "
+                 f"over the winner's); below: the model's choice, within {cells[0].near:.0%}",
+                 fontsize=10)
     return fig
