@@ -373,17 +373,23 @@ class DDP(_SyncMixin, nn.Module):
             never full and synchronising raises, naming it.
         broadcast_buffers: re-broadcast rank 0's buffers before every forward, as torch
             does (running statistics stay equal on every rank).
+        overlap: launch each bucket's all-reduce as soon as it is full (the default). False
+            is the control that shows what overlapping buys: the same buckets are filled by the
+            same hooks, but nothing is launched until
+            :meth:`finish_gradient_synchronization`, which then launches every bucket in order
+            and waits: the same messages, none of them sent while backward computes.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, overlap: bool = True) -> None:
         super().__init__()
         self.module = module
         self.process_group = process_group
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self.overlap = overlap
         self.require_backward_grad_sync = True
         self.world_size = dist.get_world_size(process_group)
         self.timeline = StepTimeline()
@@ -486,7 +492,8 @@ class DDP(_SyncMixin, nn.Module):
         bucket.arrived.add(position)
         if len(bucket.arrived) == len(bucket.params):
             bucket.state = BucketState.READY
-            self._launch_ready()
+            if self.overlap:
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Launch READY buckets in index order: collectives must match across ranks, and a
@@ -531,6 +538,8 @@ class DDP(_SyncMixin, nn.Module):
                 f"DDP: parameter(s) {missing} got no gradient in this backward pass, so their "
                 "buckets were never full and never all-reduced; the other ranks may be "
                 f"waiting for them. To fix it: {hint}.")
+        if not self.overlap:
+            self._launch_ready()  # every bucket is READY now: all of them, in order
         if self._stream is not None:
             self._stream.synchronize()  # every bucket summed; the main thread may talk again
         used = self._globally_used() if self.find_unused_parameters else None

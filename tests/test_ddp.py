@@ -8,6 +8,8 @@ starts from a *different* initialisation, so the broadcast at construction is te
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,7 +70,8 @@ def test_params_in_graph_finds_what_forward_used():
 
 
 def overlap_worker(rank: int, world_size: int) -> dict[str, object]:
-    """Counts the all-reduce calls of one DDP step and when they were made."""
+    """Counts the all-reduce calls of one DDP step and when they were made; then the same
+    for the control, ``DDP(..., overlap=False)``, on a copy of the model."""
     calls: list[tuple[int, bool, bool]] = []
     real = dist.all_reduce
     in_backward = [False]
@@ -78,16 +81,24 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, object]:
         return real(tensor, *args, **kwargs)
 
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    twin = copy.deepcopy(net)  # the same weights on this rank
     model = DDP(net, bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)  # one layer per bucket
+    control = DDP(twin, bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20, overlap=False)
     dist.all_reduce = counting
     try:
         x = torch.randn(4, 32)
-        in_backward[0] = True
-        model(x).sum().backward()
-        in_backward[0] = False
-        model.finish_gradient_synchronization()
+        steps = []
+        for wrapped in (control, model):
+            calls.clear()
+            in_backward[0] = True
+            wrapped(x).sum().backward()
+            in_backward[0] = False
+            wrapped.finish_gradient_synchronization()
+            steps.append(list(calls))
+        control_step, first_step = steps
+        same_gradients = all(torch.equal(p.grad, q.grad)
+                             for p, q in zip(net.parameters(), twin.parameters(), strict=True))
         timeline = model.timeline
-        first_step = list(calls)
         calls.clear()
         for _ in range(3):  # accumulation: no communication
             with model.no_sync():
@@ -99,7 +110,8 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, object]:
         after = list(calls)
     finally:
         dist.all_reduce = real
-    return {"first": first_step, "no_sync": in_no_sync, "after": after,
+    return {"first": first_step, "control": control_step, "same": same_gradients,
+            "no_sync": in_no_sync, "after": after,
             "launched": dict(timeline.launched), "done": dict(timeline.done),
             "ready": dict(timeline.grad_ready), "finished": timeline.finished,
             "grad": net[0].weight.grad.clone()}
@@ -109,6 +121,9 @@ def test_buckets_are_launched_async_during_backward_and_no_sync_sends_nothing():
     results = launch(overlap_worker, 2, echo=False)
     for r in results:
         assert r["first"] == [(1056, True, True)] * 4  # 4 buckets, launched inside backward
+        # the control: the same 4 buckets, launched only after backward, the same averages
+        assert r["control"] == [(1056, True, False)] * 4
+        assert r["same"]
         assert r["no_sync"] == []
         assert len(r["after"]) == 4
         # bucket 0 (the last layer) was launched before the first layer's gradient was ready

@@ -30,6 +30,7 @@ from labs.experiments.ddp import (
     measure_step_times,
     measure_timelines,
 )
+from labs.experiments.overlap import compare_to_model
 from labs.viz import widgets
 from labs.viz.ddp import plot_bucket_sweep, plot_step_times, step_time_table
 from labs.wrappers import Wrapper
@@ -231,9 +232,10 @@ def test_step_times_on_the_link_keep_every_sample_and_count_rounds_per_optimizer
     settings = dataclasses.replace(SMALL, accumulation=3)
     cases = [Case(Wrapper.LOCAL, 25.0), Case(Wrapper.NAIVE, 25.0),
              Case(Wrapper.DDP, SMALL.bucket_cap_mb, no_sync=False),
-             Case(Wrapper.DDP, SMALL.bucket_cap_mb)]
+             Case(Wrapper.DDP, SMALL.bucket_cap_mb),
+             Case(Wrapper.DDP, SMALL.bucket_cap_mb, overlap=False)]
     rows = measure_step_times(2, settings, cases, launches=2, link=QUICK)
-    assert [r.buckets for r in rows] == [0, 6, 3 * 3, 3]
+    assert [r.buckets for r in rows] == [0, 6, 3 * 3, 3, 3]
     for r in rows:
         assert len(r.samples) == len(r.of(Measure.BACKWARD)) == 2 * settings.steps
         assert r.low <= r.seconds == r.median() <= r.high
@@ -241,6 +243,24 @@ def test_step_times_on_the_link_keep_every_sample_and_count_rounds_per_optimizer
         assert min(r.backward) <= first <= third <= max(r.backward)
         assert all(b < s for b, s in zip(r.backward, r.samples, strict=True))
     assert rows[2].case.label == "DDP (4.125 KiB) without no_sync()"
+    # every timed step's record, both ranks', for NaiveDDP and labs' DDP (the last micro-batch)
+    assert rows[0].records == ()
+    for r in rows[1:]:
+        assert len(r.records) == 2 * settings.steps and all(len(s) == 2 for s in r.records)
+        for rec in (rec for step in r.records for rec in step):
+            assert len(rec.nbytes) == r.buckets // (3 if r is rows[2] else 1)
+            assert rec.backward_start < rec.backward_end <= rec.synchronised
+            assert all(s <= d <= rec.synchronised for s, d in zip(rec.started, rec.done,
+                                                                  strict=True))
+            # one thread, one bucket at a time, in order
+            assert all(d <= s for d, s in zip(rec.done, rec.started[1:], strict=False))
+            if r.case.wrapper is Wrapper.DDP:  # each bucket's last gradient, in backward
+                assert all(rec.backward_start < t <= rec.backward_end for t in rec.ready)
+            if r is rows[4]:  # the control sends nothing before backward has returned
+                assert all(s >= rec.backward_end for s in rec.started)
+    models = compare_to_model(rows, QUICK)
+    assert [m.row.case for m in models] == cases[1:]
+    assert [m.after_backward for m in models] == [True, False, False, True]
     table = step_time_table(rows, Measure.BACKWARD)
     assert "backward() to averaged gradients" in table and "torch" not in table
     for fig in (plot_bucket_sweep(rows, measure=Measure.BACKWARD), plot_step_times(rows)):

@@ -9,7 +9,10 @@ The step-time experiments time the same model and batch under several implementa
 one launch, alternating their order every iteration so that a slow moment of the machine does
 not land on one of them only. Given ``link=`` (a :class:`labs.Link`), they run on that emulated
 network, where labs' wrappers all-reduce with labs' ring (:mod:`labs.ddp`) and torch's DDP,
-whose collectives the link does not carry, is refused.
+whose collectives the link does not carry, is refused. Beside labs' DDP at a cap they can run
+its control, ``DDP(..., overlap=False)``, and for NaiveDDP and labs' DDP they keep every rank's
+:class:`labs.experiments.sync_record.SyncRecord` of each timed step, which
+:mod:`labs.experiments.overlap` sets beside its model.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from labs.ddp import (
     assign_buckets,
     trainable_parameters,
 )
+from labs.experiments.sync_record import BackwardTimes, SyncRecord, sync_record
 from labs.launcher import launch, rank_device
 from labs.link import Link
 
@@ -53,19 +57,35 @@ def _sync_device() -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One timed configuration: an implementation at a bucket cap, and whether the
-    micro-batches before the last of an optimizer step run inside ``no_sync()``."""
+    """One timed configuration: an implementation at a bucket cap, whether the micro-batches
+    before the last of an optimizer step run inside ``no_sync()``, and (labs' DDP only)
+    whether the buckets are all-reduced during backward or, as a control, only after it
+    (``DDP(..., overlap=False)``)."""
 
     wrapper: Wrapper
     bucket_cap_mb: float
     no_sync: bool = True
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.overlap and self.wrapper is not Wrapper.DDP:
+            raise ValueError(f"overlap=False is a setting of labs' DDP (Wrapper.DDP), not of "
+                             f"{self.wrapper.value}: use Case(Wrapper.DDP, cap, overlap=False).")
 
     @property
     def label(self) -> str:
         label = self.wrapper.value
         if self.wrapper in (Wrapper.DDP, Wrapper.TORCH_DDP):
-            label += f" ({cap_text(self.bucket_cap_mb)})"
+            label += f" ({cap_text(self.bucket_cap_mb)}"
+            label += ")" if self.overlap else ", after backward)"
         return label if self.no_sync else f"{label} without no_sync()"
+
+    def build(self, settings: StepSettings) -> nn.Module:
+        """This case's wrapper around the experiment's model, on this rank's device."""
+        if not self.overlap:
+            return DDP(mlp(settings).to(rank_device()), bucket_cap_mb=self.bucket_cap_mb,
+                       overlap=False)
+        return wrap(self.wrapper, mlp(settings), self.bucket_cap_mb)
 
 
 def cap_text(cap_mb: float) -> str:
@@ -87,12 +107,14 @@ class Measure(enum.Enum):
 @dataclass(frozen=True)
 class CaseTiming:
     """Seconds per optimizer step of one case on one rank (whole, and backward through
-    synchronisation), and its bucket count."""
+    synchronisation), its bucket count, and (NaiveDDP and labs' DDP) each timed step's
+    :class:`SyncRecord`."""
 
     case: Case
     seconds: tuple[float, ...]
     buckets: int
     backward: tuple[float, ...] = ()
+    records: tuple[SyncRecord | None, ...] = ()
 
 
 def step_times_worker(rank: int, world_size: int, settings: StepSettings,
@@ -100,37 +122,40 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
     """Time ``settings.steps`` SGD steps of every case, alternating the case order each
     iteration; a barrier before each step so every rank starts it together."""
     device = rank_device()
-    models = [wrap(c.wrapper, mlp(settings), c.bucket_cap_mb) for c in cases]
+    models = [c.build(settings) for c in cases]
     optimizers = [settings.optimizer.build(m.parameters()) for m in models]
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(settings.batch, settings.width, generator=generator).to(device)
     seconds: list[list[float]] = [[] for _ in cases]
     backward: list[list[float]] = [[] for _ in cases]
+    records: list[list[SyncRecord | None]] = [[] for _ in cases]
     order = list(range(len(cases)))
     for iteration in range(settings.warmup + settings.steps):
         for i in order if iteration % 2 == 0 else reversed(order):
+            if isinstance(models[i], (NaiveDDP, DDP)):
+                models[i].timeline = StepTimeline()
             dist.barrier()
             _sync_device()
             start = time.perf_counter()
             optimizers[i].zero_grad()
-            in_backward = _accumulate(models[i], x, settings.accumulation,
-                                      use_no_sync=cases[i].no_sync)
+            timed = _accumulate(models[i], x, settings.accumulation,
+                                use_no_sync=cases[i].no_sync)
             optimizers[i].step()
             _sync_device()
             if iteration >= settings.warmup:
                 seconds[i].append(time.perf_counter() - start)
-                backward[i].append(in_backward)
-    return [CaseTiming(c, tuple(s), _bucket_count(c, settings), tuple(b))
-            for c, s, b in zip(cases, seconds, backward, strict=True)]
+                backward[i].append(timed.spent)
+                records[i].append(sync_record(models[i], timed))
+    return [CaseTiming(c, tuple(s), _bucket_count(c, settings), tuple(b), tuple(r))
+            for c, s, b, r in zip(cases, seconds, backward, records, strict=True)]
 
 
 def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sync: bool
-                ) -> float:
+                ) -> BackwardTimes:
     """Forward and backward ``micro_batches`` times, each loss divided by their number, then
     synchronise. With ``use_no_sync`` every micro-batch but the last runs inside
-    ``model.no_sync()`` (forward and backward), so only the last one communicates. Returns
-    the seconds spent from each ``backward()`` to the end of its synchronisation, summed."""
-    spent = 0.0
+    ``model.no_sync()`` (forward and backward), so only the last one communicates."""
+    spent, start, backward_end, end = 0.0, 0.0, 0.0, 0.0
     for micro in range(micro_batches):
         last = micro == micro_batches - 1
         quiet = use_no_sync and not last and hasattr(model, "no_sync")
@@ -138,10 +163,14 @@ def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sy
             loss = model(x).square().mean() / micro_batches
             start = time.perf_counter()
             loss.backward()
+            # the host's clock: on a GPU, when backward's kernels were queued (a device
+            # synchronize here would also wait for the all-reduces in flight)
+            backward_end = time.perf_counter()
             synchronise(model)
             _sync_device()
-            spent += time.perf_counter() - start
-    return spent
+            end = time.perf_counter()
+            spent += end - start
+    return BackwardTimes(spent, start, backward_end, end)
 
 
 def torch_bucket_counts(settings: StepSettings, bucket_cap_mb: float,
@@ -194,6 +223,9 @@ class StepTimeRow:
     backward: tuple[float, ...] = ()
     """The same steps' seconds from backward() to averaged gradients (:attr:`Measure.BACKWARD`),
     the slowest rank's."""
+    records: tuple[tuple[SyncRecord, ...], ...] = ()
+    """NaiveDDP and labs' DDP: the same steps' :class:`SyncRecord`, every rank's (only the
+    steps whose record is whole on every rank)."""
 
     def of(self, measure: Measure = Measure.STEP) -> tuple[float, ...]:
         """The samples of ``measure`` (the median alone if none were kept)."""
@@ -229,6 +261,7 @@ def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[
     _refuse_torch_on_link(cases, link)
     slowest: list[list[float]] = [[] for _ in cases]
     backward: list[list[float]] = [[] for _ in cases]
+    records: list[list[tuple[SyncRecord, ...]]] = [[] for _ in cases]
     buckets = [0] * len(cases)
     for _ in range(launches):
         per_rank = launch(step_times_worker, world_size, args=(settings, list(cases)),
@@ -237,9 +270,14 @@ def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[
             slowest[i] += [max(r[i].seconds[k] for r in per_rank) for k in range(settings.steps)]
             backward[i] += [max(r[i].backward[k] for r in per_rank)
                             for k in range(settings.steps)]
+            for k in range(settings.steps):
+                step = tuple(r[i].records[k] for r in per_rank if r[i].records)
+                if len(step) == world_size and None not in step:
+                    records[i].append(step)  # type: ignore[arg-type]
             buckets[i] = per_rank[0][i].buckets
-    return [StepTimeRow(case, statistics.median(s), b, tuple(s), tuple(w))
-            for case, s, b, w in zip(cases, slowest, buckets, backward, strict=True)]
+    return [StepTimeRow(case, statistics.median(s), b, tuple(s), tuple(w), tuple(r))
+            for case, s, b, w, r in zip(cases, slowest, buckets, backward, records,
+                                        strict=True)]
 
 
 def _refuse_torch_on_link(cases: Sequence[Case], link: Link | None) -> None:
@@ -263,14 +301,17 @@ def default_cases(bucket_cap_mb: float) -> list[Case]:
 
 
 def bucket_sweep_cases(caps_mb: Sequence[float],
-                       bucketed: Sequence[Wrapper] = (Wrapper.DDP, Wrapper.TORCH_DDP)
-                       ) -> list[Case]:
+                       bucketed: Sequence[Wrapper] = (Wrapper.DDP, Wrapper.TORCH_DDP),
+                       after_backward: bool = False) -> list[Case]:
     """The ``bucketed`` wrappers (labs' DDP and torch's) at every cap, plus NaiveDDP and the
-    no-sync floor once."""
+    no-sync floor once. With ``after_backward``, labs' DDP also runs at every cap as the
+    no-overlap control (``Case(Wrapper.DDP, cap, overlap=False)``), beside its overlapped run."""
     cases = [Case(Wrapper.LOCAL, DEFAULT_BUCKET_CAP_MB),
              Case(Wrapper.NAIVE, DEFAULT_BUCKET_CAP_MB)]
     for cap in caps_mb:
         cases += [Case(wrapper, cap) for wrapper in bucketed]
+        if after_backward:
+            cases.append(Case(Wrapper.DDP, cap, overlap=False))
     return cases
 
 

@@ -1,5 +1,6 @@
 """Chapter 5's tables and figures: step times, the bucket-size sweep, the backward timeline
-(a Gantt chart), gradient accumulation, the DistributedSampler and the training loss."""
+(a Gantt chart), the model of the overlapped step beside the measured one, gradient
+accumulation, the DistributedSampler and the training loss."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from labs.experiments.ddp import (
     StepTimeRow,
     cap_text,
 )
+from labs.experiments.overlap import NaiveAccount, OverlapRow, StepModel, pairs_by_cap
 from labs.tables import format_table
 from labs.wrappers import Wrapper
 
@@ -26,6 +28,8 @@ _COLOURS = {
     Wrapper.DDP: "tab:blue",
     Wrapper.TORCH_DDP: "tab:green",
 }
+#: labs' DDP run as the control, every bucket all-reduced after backward.
+_AFTER_BACKWARD = "tab:purple"
 
 
 def step_time_table(rows: Sequence[StepTimeRow], measure: Measure = Measure.STEP) -> str:
@@ -65,7 +69,8 @@ def plot_step_times(rows: Sequence[StepTimeRow], title: str = "",
     fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)), layout="constrained")
     medians, spread = _spread_ms(rows, measure)
     ax.barh([r.case.label for r in rows], medians, xerr=spread, capsize=3, ecolor="black",
-            color=[_COLOURS[r.case.wrapper] for r in rows])
+            color=[_COLOURS[r.case.wrapper] if r.case.overlap else _AFTER_BACKWARD
+                   for r in rows])
     top = [m + u for m, u in zip(medians, spread[1], strict=True)]
     for y, (row, median, right) in enumerate(zip(rows, medians, top, strict=True)):
         ax.text(right, y, f"  median {median:.1f} ms, {row.buckets} all-reduce(s)",
@@ -79,32 +84,43 @@ def plot_step_times(rows: Sequence[StepTimeRow], title: str = "",
 
 
 def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "",
-                      measure: Measure = Measure.STEP) -> Figure:
-    """Time (``measure``) against bucket cap for the bucketed wrappers timed (labs' DDP, and
-    torch's where present): the median, a thick bar over the quartiles and a thin whisker
-    from the fastest to the slowest step. NaiveDDP and the no-communication floor are
-    horizontal lines (medians) over a band from the first quartile to the third."""
-    fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
-    for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
-        mine = sorted((r for r in rows if r.case.wrapper is impl),
+                      measure: Measure = Measure.STEP,
+                      models: Sequence[OverlapRow] = ()) -> Figure:
+    """Time (``measure``) against bucket cap for the bucketed wrappers timed (labs' DDP,
+    its control that all-reduces after backward, and torch's DDP, where present): the
+    median, a thick bar over the quartiles and a thin whisker from the fastest to the slowest
+    step. NaiveDDP and the no-communication floor are horizontal lines (medians) over a band
+    from the first quartile to the third. Given ``models`` (:func:`labs.experiments.overlap.
+    compare_to_model` of the same rows, measure BACKWARD), the model's median of each labs'
+    DDP case is a cross."""
+    fig, ax = plt.subplots(figsize=(7, 5.6 if models else 3.6), layout="constrained")
+    series = ((Wrapper.DDP, True, _COLOURS[Wrapper.DDP], "DDP"),
+              (Wrapper.DDP, False, _AFTER_BACKWARD, "DDP, all-reduced after backward"),
+              (Wrapper.TORCH_DDP, True, _COLOURS[Wrapper.TORCH_DDP], Wrapper.TORCH_DDP.value))
+    for impl, overlap, colour, name in series:
+        mine = sorted((r for r in rows if r.case.wrapper is impl and r.case.overlap is overlap),
                       key=lambda r: r.case.bucket_cap_mb)
         if not mine:
             continue
         caps = [r.case.bucket_cap_mb for r in mine]
         medians, spread = _spread_ms(mine, measure)
-        ax.errorbar(caps, medians, yerr=spread, fmt="none", capsize=3, lw=0.8,
-                    color=_COLOURS[impl])
+        ax.errorbar(caps, medians, yerr=spread, fmt="none", capsize=3, lw=0.8, color=colour)
         quartiles = [[m - r.quartiles(measure)[0] * 1e3 for m, r in zip(medians, mine,
                                                                           strict=True)],
                      [r.quartiles(measure)[1] * 1e3 - m for m, r in zip(medians, mine,
                                                                           strict=True)]]
         ax.errorbar(caps, medians, yerr=quartiles, fmt="o-", lw=1.5, elinewidth=5,
-                    color=_COLOURS[impl], label=f"{impl.value}: median, quartiles (thick), "
-                    "min to max (thin)")
-        for r, median, up in zip(mine, medians, spread[1], strict=True):
-            ax.annotate(str(r.buckets), (r.case.bucket_cap_mb, median + up),
-                        textcoords="offset points", xytext=(0, 4), ha="center",
-                        fontsize="x-small", color=_COLOURS[impl])
+                    color=colour, label=f"{name}: median, quartiles (thick), min to max (thin)")
+        if overlap:
+            for r, median, up in zip(mine, medians, spread[1], strict=True):
+                ax.annotate(str(r.buckets), (r.case.bucket_cap_mb, median + up),
+                            textcoords="offset points", xytext=(0, 4), ha="center",
+                            fontsize="x-small", color=colour)
+        modelled = [m for m in models if m.row.case in {r.case for r in mine}]
+        if modelled:
+            ax.plot([m.row.case.bucket_cap_mb for m in modelled],
+                    [m.predicted * 1e3 for m in modelled], "x", ms=9, mew=2, color="black"
+                    if overlap else colour, label=f"{name}: the model (median)")
     for impl, style in ((Wrapper.NAIVE, "--"), (Wrapper.LOCAL, ":")):
         for r in rows:
             if r.case.wrapper is impl:
@@ -126,7 +142,10 @@ def plot_bucket_sweep(rows: Sequence[StepTimeRow], title: str = "",
               default=max(max(r.of(measure)) for r in rows))
     ax.set_ylim(bottom=0, top=top * 1e3 * 1.15)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small", loc="lower left")
+    if models:  # more entries than fit inside
+        fig.legend(fontsize="small", loc="outside lower center")
+    else:
+        ax.legend(fontsize="small", loc="lower left")
     return fig
 
 
@@ -172,6 +191,85 @@ def _covered(spans: Sequence[Span], until: float) -> float:
             total += end - start
         reach = max(reach, span.end)
     return total
+
+
+def overlap_table(rows: Sequence[OverlapRow]) -> str:
+    """Per cap of labs' DDP, overlapped and after backward: the measured median from
+    ``backward()`` to averaged gradients, the model's, their difference in per cent, and the
+    gain of overlapping (after backward minus overlapped), measured and modelled. NaiveDDP,
+    if present, last."""
+    def ms(value: float) -> str:
+        return f"{value * 1e3:.1f}"
+
+    def pct(row: OverlapRow) -> str:
+        return f"{row.error * 100:+.1f} %"
+
+    table = [[cap_text(o.row.case.bucket_cap_mb), o.row.buckets, ms(o.measured), ms(o.predicted),
+              pct(o), ms(a.measured), ms(a.predicted), pct(a), ms(a.measured - o.measured),
+              ms(a.predicted - o.predicted)] for o, a in pairs_by_cap(rows)]
+    for r in rows:
+        if r.row.case.wrapper is Wrapper.NAIVE:
+            table.append([r.row.case.label, r.row.buckets, "-", "-", "-", ms(r.measured),
+                          ms(r.predicted), pct(r), "-", "-"])
+    return format_table(["cap", "all-reduces", "overlapped: measured", "model", "model vs measured",
+                         "after backward: measured", "model", "model vs measured",
+                         "gain: measured", "model"], table)
+
+
+def naive_account_table(account: NaiveAccount) -> str:
+    """NaiveDDP's milliseconds from ``backward()`` to averaged gradients, part by part: per
+    all-reduce size, the link's price and the cost beyond it timed alone (both summed in the
+    last column) and, beside them, in the measured steps."""
+    def ms(value: float, digits: int = 1) -> str:
+        return f"{value * 1e3:.{digits}f}"
+
+    rows: list[list[object]] = [["backward (NaiveDDP's own)", "", "", "", "",
+                                 ms(account.backward)]]
+    for s in account.sizes:
+        rows.append([f"all-reduces of {s.nbytes / 1024:g} KiB", s.calls, ms(s.model, 2),
+                     ms(s.overhead, 2), ms(s.in_run, 2), ms(s.calls * (s.model + s.overhead))])
+    rows += [["between and after the all-reduces (in the steps)", "", "", "", "",
+              ms(account.between)],
+             ["sum", "", "", "", "", ms(account.accounted)],
+             ["measured", "", "", "", "", ms(account.measured)],
+             ["measured minus the sum", "", "", "", "", f"{account.unaccounted * 1e3:+.1f}"]]
+    return format_table(["NaiveDDP, backward() to averaged gradients (medians, ms)", "calls",
+                         "link's price per call", "beyond it, timed alone",
+                         "beyond it, in the steps", "total"], rows)
+
+
+def plot_overlap_timeline(steps: dict[str, StepModel], title: str = "") -> Figure:
+    """One measured step per panel beside the model of it: backward (to its end on the later
+    rank), when each bucket was ready (its last gradient, on the later rank), each all-reduce
+    as measured (earliest start to latest end over the ranks) and as modelled. Time 0 is the
+    first rank's ``backward()`` call."""
+    fig, axes = plt.subplots(len(steps), 1, figsize=(10, 1.9 * len(steps) + 0.5), sharex=True,
+                             layout="constrained", squeeze=False)
+    ms = 1e3
+    for ax, (label, step) in zip(axes[:, 0], steps.items(), strict=True):
+        ax.barh(3, step.backward_end * ms, color="tab:orange", alpha=0.7,
+                label="backward computes")
+        ax.plot([v * ms for v in step.ready], [3] * len(step.ready), "k|", ms=14,
+                label="a bucket is ready")
+        for row, spans, colour, name in ((2, step.measured_spans, "tab:blue", "measured"),
+                                         (1, step.modelled, "tab:gray", "the model")):
+            for i, (start, end) in enumerate(spans):
+                ax.barh(row, (end - start) * ms, left=start * ms, height=0.5, color=colour,
+                        alpha=0.55 + 0.45 * (i % 2), edgecolor="white",
+                        label=f"all-reduce, {name}" if i == 0 else None)
+        ax.axvline(step.measured * ms, color="black", ls="--", lw=1,
+                   label=f"averaged, measured: {step.measured * ms:.1f} ms")
+        ax.axvline(step.predicted * ms, color="tab:gray", ls=":", lw=1.5,
+                   label=f"averaged, model: {step.predicted * ms:.1f} ms")
+        ax.set_yticks([1, 2, 3], ["model", "measured", "backward"])
+        ax.set_title(label, fontsize="medium", loc="left")
+        ax.set_ylim(0.4, 3.6)
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("milliseconds since the first rank called loss.backward()")
+    if title:
+        fig.suptitle(title)
+    return fig
 
 
 def accumulation_table(rows: Sequence[AccumulationRow]) -> str:
