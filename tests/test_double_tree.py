@@ -291,8 +291,9 @@ def _traffic_problems(per_rank: list[list[Outcome]], trees: tuple[Tree, Tree]) -
     return problems
 
 
-@pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.slow) if n in (1, 2, 5) else n
-                               for n in (1, 2, 3, 5, 8)])  # 3 and 8: odd N and two levels
+# make test keeps 3 (odd N); chapter 2's nbval run counts N = 8's traffic and compares its bits
+@pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.slow) if n != 3 else n
+                               for n in (1, 2, 3, 5, 8)])
 def test_double_tree_gives_torchs_answer_with_the_same_bits_and_the_closed_form_traffic(n):
     results = launch(_parity_worker, n, backend="gloo", echo=False, timeout=TIMEOUT)
     per_rank = [outcomes for outcomes, _ in results]
