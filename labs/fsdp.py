@@ -62,7 +62,9 @@ The two kinds of group are the dimensions of the grid :func:`labs.grid.hybrid_la
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -78,45 +80,29 @@ from labs.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from labs.fsdp_collectives import all_gather_into, reduce_scatter_from
+from labs.ddp import CommStream
+from labs.fsdp_collectives import (
+    StreamReduction,
+    all_gather_into,
+    gather_on_stream,
+    reduce_on_stream,
+    reduce_scatter_from,
+)
+from labs.fsdp_timeline import Activity, FSDPTimeline, Interval
 from labs.fsdp_unit import (
     Event,
     FlatUnit,
-    Place,
     ShardedState,
+    build_units,
+    cast_floats,
+    check_prefetch,
+    check_shard_size,
     checked_units,
     default_units,
     point_at_placeholders,
     tensors_in,
 )
 from labs.grid import hybrid_groups
-from labs.zero import shard_numel
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    return value
-
-
-def check_shard_size(shard_size: int | None, world_size: int) -> int:
-    """``shard_size`` as an int (None: ``world_size``, plain FSDP), or a ValueError that says
-    what to pick: it must divide the world size."""
-    if shard_size is None:
-        return world_size
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 \
-            or world_size % shard_size:
-        raise ValueError(
-            f"shard_size must be a positive int that divides the world size: {world_size} "
-            f"rank(s) cannot be cut into groups of {shard_size!r}. Pick one of "
-            f"{', '.join(map(str, divisors))} (e.g. the number of GPUs per node), or None to "
-            f"shard over all {world_size} rank(s).")
-    return shard_size
 
 
 class FSDP(nn.Module):
@@ -157,7 +143,24 @@ class FSDP(nn.Module):
             unit's reduce-scatter travels while the next unit computes its gradient. (gloo
             has no reduce-scatter of its own; on gloo it is an all-to-all and a local sum,
             see :func:`reduce_scatter_from`.) ``Algorithm.RING``: chapters 3 and 4's ring
-            for everything, one collective at a time, every byte counted by ``recorder``.
+            for everything, one collective at a time, every byte counted by ``recorder``;
+            synchronous unless ``prefetch`` is given.
+        prefetch: how many units ahead (in the order of the last step's forward, and of its
+            backward) to start all-gathering when a unit's forward (or backward) starts: 0
+            none, 1 the next unit (``fully_shard``'s default), k the next k. None (default):
+            1 with torch collectives, and with the ring no prefetch and no stream (as before
+            this option existed). Given with ``Algorithm.RING``, every collective (all-gathers,
+            reduce-scatters, HSDP's all-reduces across) runs on a communication stream, a
+            :class:`labs.ddp.CommStream` (one thread per rank serving them in the order they
+            were handed over, the same on every rank), so that on an emulated link the ring's
+            transfers overlap compute: a unit waits for its own all-gather only, and the
+            reduce-scatters land at the next unit's post-backward or in
+            :meth:`finish_gradient_synchronization`.
+        reshard_after_forward: True (default): free each unit's gathered parameters after its
+            forward and gather them again for its backward. False: keep them from forward to
+            backward (ZeRO-2-like: the full parameters of every unit are held between forward
+            and backward, and backward runs no all-gather: 2(N-1)/N·S a step instead of
+            3(N-1)/N·S). A forward without grad mode frees them either way.
         recorder: counts the bytes this rank sends (with ``Algorithm.RING``).
         shard_size: HSDP (see the module docstring): shard inside groups of this many
             consecutive ranks, replicate across the groups. None (default): shard over every
@@ -176,6 +179,8 @@ class FSDP(nn.Module):
                  units: Sequence[nn.Module] | None = None,
                  activation_checkpointing: bool = False,
                  collectives: Algorithm = Algorithm.TORCH,
+                 prefetch: int | None = None,
+                 reshard_after_forward: bool = True,
                  process_group: dist.ProcessGroup | None = None,
                  observer: Callable[[Event, str], None] | None = None,
                  recorder: Recorder | None = None,
@@ -191,6 +196,7 @@ class FSDP(nn.Module):
                                           and dtype.is_floating_point):
                 raise ValueError(f"{name} must be None or a floating-point torch.dtype (e.g. "
                                  f"torch.bfloat16), got {dtype!r}.")
+        check_prefetch(prefetch, reshard_after_forward)
         if (recorder is not None or replicate_recorder is not None) \
                 and collectives is not Algorithm.RING:
             raise ValueError("a Recorder counts the ring's messages: pass "
@@ -215,6 +221,19 @@ class FSDP(nn.Module):
         # A group of one has nothing to gather or reduce-scatter: the ring's functions copy
         # (gloo's reduce_scatter_tensor is not there on every torch version).
         self._ring_reduce = collectives is Algorithm.RING or self.shard_size == 1
+        #: How many units ahead all-gathers start (see ``prefetch``).
+        self.prefetch = (1 if collectives is Algorithm.TORCH else 0) if prefetch is None \
+            else prefetch
+        self.reshard_after_forward = reshard_after_forward
+        #: Where the ring's collectives run when ``prefetch`` is given; None: synchronously
+        #: (the ring without ``prefetch``) or torch's asynchronous collectives.
+        self._stream = CommStream("labs-fsdp-stream") \
+            if collectives is Algorithm.RING and prefetch is not None else None
+        #: The current (or, after :meth:`finish_gradient_synchronization`, the last) step's
+        #: gathers, computations and reduce-scatters, unit by unit.
+        self.timeline = FSDPTimeline()
+        self._new_step = True
+        self._started: dict[tuple[str, Activity], float] = {}  # (unit, activity) -> start
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.observer = observer
@@ -225,7 +244,8 @@ class FSDP(nn.Module):
             root = dist.get_global_rank(process_group, 0) if process_group else 0
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=root, group=process_group)
-        self.units = self._build_units(module, chosen)
+        self.units = build_units(module, chosen, self.shard_size, self.shard_rank,
+                                 compute_dtype)
         if compute_dtype is not None:
             with torch.no_grad():  # no optimizer steps them: no fp32 master copy is needed
                 for p in module.parameters():
@@ -254,94 +274,51 @@ class FSDP(nn.Module):
             unit.hooks.append(unit.module.register_forward_hook(
                 lambda _m, _args, out, u=unit: self._post_forward(u, out)))
 
-    # -- construction --
-
-    def _build_units(self, module: nn.Module, chosen: list[nn.Module]) -> list[FlatUnit]:
-        """Assign every trainable parameter to one unit: the innermost chosen unit around the
-        module that registers it (units may nest, as with torch's ``fully_shard``: the outer
-        unit gathers only what its inner units do not hold). A parameter used by two units,
-        or outside every chosen one, goes to the root (the wrapped module itself)."""
-        owner_of: dict[int, nn.Module] = {}
-        places: dict[int, list[Place]] = {}
-        all_names: dict[int, list[str]] = {}
-        params: dict[int, nn.Parameter] = {}
-        unit_of_module = {id(m): m for u in chosen for m in u.modules()}
-        # An inner unit has fewer modules than any unit around it, so writing the largest
-        # first leaves each module mapped to its innermost unit, whatever the order given.
-        outer_first = sorted(chosen, key=lambda u: -sum(1 for _ in u.modules()))
-        unit_root = {id(m): u for u in outer_first for m in u.modules()}
-        for mod_name, mod in module.named_modules(remove_duplicate=False):
-            for attr, p in list(mod._parameters.items()):
-                if p is None or not p.requires_grad:
-                    continue
-                key = id(p)
-                params[key] = p
-                places.setdefault(key, []).append(Place(mod, attr))
-                all_names.setdefault(key, []).append(f"{mod_name}.{attr}" if mod_name else attr)
-                owner = unit_root.get(id(mod)) if id(mod) in unit_of_module else module
-                if key in owner_of and owner_of[key] is not owner:
-                    owner = module  # tied across units: the root holds it
-                owner_of[key] = owner
-        units = []
-        for unit_module in [*chosen, module]:
-            keys = [k for k in params if owner_of[k] is unit_module]
-            if keys:
-                name = next((n for n, m in module.named_modules() if m is unit_module), "")
-                units.append(self._flat_unit(name or "root", unit_module, keys, params, places,
-                                             all_names))
-        return units
-
-    def _flat_unit(self, name: str, unit_module: nn.Module, keys: list[int],
-                   params: dict[int, nn.Parameter], places: dict[int, list[Place]],
-                   all_names: dict[int, list[str]]) -> FlatUnit:
-        shapes = [params[k].shape for k in keys]
-        offsets, total = [], 0
-        for shape in shapes:
-            offsets.append(total)
-            total += shape.numel()
-        k = shard_numel(total, self.shard_size)
-        flat = torch.zeros(k * self.shard_size, dtype=torch.float32)  # the padded vector
-        for key, offset in zip(keys, offsets, strict=True):
-            flat[offset:offset + params[key].numel()] = params[key].detach().reshape(-1)
-        device = params[keys[0]].device
-        shard = nn.Parameter(flat[self.shard_rank * k:(self.shard_rank + 1) * k].clone()
-                             .to(device))
-        dtype = self.compute_dtype or torch.float32
-        full = torch.empty(k * self.shard_size, dtype=dtype, device=device, requires_grad=True)
-        full.untyped_storage().resize_(0)  # SHARDED: nothing held beyond the shard
-        for key in keys:
-            for place in places[key]:
-                del place.module._parameters[place.attr]  # now a plain attribute (a view)
-        unit = FlatUnit(name, unit_module, [all_names[k] for k in keys], shapes,
-                        [places[k] for k in keys], offsets, total, shard, full)
-        point_at_placeholders(unit)
-        return unit
-
     # -- forward and backward hooks --
 
     def _notify(self, event: Event, unit: FlatUnit) -> None:
         if self.observer is not None:
             self.observer(event, unit.name)
 
+    def _record(self, unit: FlatUnit, activity: Activity, start: float | None = None) -> None:
+        """Append the interval of ``unit``'s ``activity`` that ends now to the timeline, from
+        ``start`` (or from what :attr:`_started` holds for it)."""
+        begun = self._started.pop((unit.name, activity), None) if start is None else start
+        if begun is not None:
+            self.timeline.intervals.append(Interval(unit.name, activity, begun,
+                                                    time.perf_counter()))
+
     def unshard(self, unit: FlatUnit, *, prefetch: bool = False) -> None:
         """All-gather the unit's shards into its full vector and point its parameters at it.
-        With ``prefetch`` (torch collectives only) the all-gather is started and left in
-        flight (GATHERING); the next ``unshard`` of the unit waits for it."""
+        With ``prefetch`` (torch collectives, or the ring on the communication stream) the
+        all-gather is started and left in flight (GATHERING); the next ``unshard`` of the unit
+        waits for it."""
         if unit.state is ShardedState.SHARDED:
             full = unit.full
             full.untyped_storage().resize_(full.numel() * full.element_size())
             shard = unit.shard.detach().to(full.dtype)
             # Into .data: the version counter autograd checks is not bumped, so the views it
             # saved in forward are valid in backward once the storage is filled again.
-            if self.collectives is Algorithm.RING or self.shard_size == 1:
+            if self._stream is not None:
+                unit.gather = self._stream.submit(functools.partial(
+                    gather_on_stream, shard, full.data, self.shard_group, self.recorder,
+                    (self.timeline, unit.name)))
+            elif self.collectives is Algorithm.RING or self.shard_size == 1:
+                start = time.perf_counter()
                 ring_all_gather(shard, group=self.shard_group, recorder=self.recorder,
                                 out=full.data)
+                self._record(unit, Activity.ALL_GATHER, start)
             else:
+                self._started[unit.name, Activity.ALL_GATHER] = time.perf_counter()
                 unit.gather = all_gather_into(full.data, shard, self.shard_group)
             unit.state = ShardedState.GATHERING
         if unit.state is ShardedState.GATHERING and not prefetch:
             if unit.gather is not None:
-                unit.gather.wait()
+                if self._stream is not None:
+                    unit.gather.result()  # the job timed itself; re-raises its failure
+                else:
+                    unit.gather.wait()
+                    self._record(unit, Activity.ALL_GATHER)
                 unit.gather = None
             for places, view in unit.views():
                 for place in places:
@@ -361,29 +338,36 @@ class FSDP(nn.Module):
             unit.state = ShardedState.SHARDED
 
     def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
-        """Start gathering the unit that ``order`` runs after ``unit``, so that its all-gather
-        travels while ``unit`` computes (torch collectives only)."""
-        if self.collectives is not Algorithm.TORCH or unit not in order:
+        """Start gathering the :attr:`prefetch` units that ``order`` runs after ``unit``, so
+        that their all-gathers travel while ``unit`` computes. Every rank recorded the same
+        order, so every rank starts the same collectives in the same order."""
+        if self.prefetch == 0 or unit not in order:
             return
         position = order.index(unit)
-        if position + 1 < len(order) and order[position + 1].state is ShardedState.SHARDED:
-            self.unshard(order[position + 1], prefetch=True)
-            self._notify(Event.PREFETCH, order[position + 1])
+        for ahead in order[position + 1:position + 1 + self.prefetch]:
+            if ahead.state is ShardedState.SHARDED:
+                self.unshard(ahead, prefetch=True)
+                self._notify(Event.PREFETCH, ahead)
 
     def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._new_step:
+            self.timeline, self._new_step = FSDPTimeline(), False
         self.unshard(unit)
         self._notify(Event.UNSHARD_FORWARD, unit)
         if torch.is_grad_enabled() and unit not in self._seen_forward:  # once per micro-batch run
             self._seen_forward.append(unit)
         self._prefetch_after(unit, self.forward_order)
+        self._started[unit.name, Activity.FORWARD] = time.perf_counter()
         # Each unit's floating inputs in the compute dtype (as fully_shard's
         # cast_forward_inputs): a buffer or a frozen weight kept in fp32 between units would
         # otherwise promote the activations back to fp32 before a bf16 layer.
-        return _cast_floats(args, self.compute_dtype) if self.compute_dtype else None
+        return cast_floats(args, self.compute_dtype) if self.compute_dtype else None
 
     def _post_forward(self, unit: FlatUnit, output: Any) -> None:
-        self.reshard(unit)
-        self._notify(Event.RESHARD_FORWARD, unit)
+        self._record(unit, Activity.FORWARD)
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard(unit)
+            self._notify(Event.RESHARD_FORWARD, unit)
         if not torch.is_grad_enabled():
             return
         unit.backward_pending = True
@@ -392,22 +376,28 @@ class FSDP(nn.Module):
                 tensor.register_hook(lambda grad, u=unit: self._pre_backward(u, grad))
 
     def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> torch.Tensor:
-        if unit.backward_pending and unit.state is not ShardedState.UNSHARDED:
-            # Views that require grad, although backward runs without grad mode: a
-            # checkpointed unit runs its forward again on them, and that forward must save
-            # what the first one saved (an op on parameters that need no gradient saves less).
-            with torch.enable_grad():
-                self.unshard(unit)
-            self._notify(Event.UNSHARD_BACKWARD, unit)
+        if unit.backward_pending and not unit.in_backward:  # the first of its outputs' hooks
+            unit.in_backward = True
+            if unit.state is not ShardedState.UNSHARDED:  # reshard_after_forward=False: kept
+                # Views that require grad, although backward runs without grad mode: a
+                # checkpointed unit runs its forward again on them, and that forward must
+                # save what the first one saved (an op on parameters that need no gradient
+                # saves less).
+                with torch.enable_grad():
+                    self.unshard(unit)
+                self._notify(Event.UNSHARD_BACKWARD, unit)
             if unit not in self._seen_backward:
                 self._seen_backward.append(unit)
             self._prefetch_after(unit, self.backward_order)
+            self._started[unit.name, Activity.BACKWARD] = time.perf_counter()
         return grad
 
     def _post_backward(self, unit: FlatUnit) -> None:
         """The full vector's gradient is complete: reduce-scatter it into the shard's grad
-        (asynchronously with torch collectives: it lands at the next unit's post-backward or
-        at :meth:`finish_gradient_synchronization`, whichever comes first)."""
+        (asynchronously with torch collectives or on the stream: it lands at the next unit's
+        post-backward or at :meth:`finish_gradient_synchronization`, whichever comes first)."""
+        self._record(unit, Activity.BACKWARD)
+        unit.in_backward = False
         full_grad = unit.full.grad
         assert full_grad is not None
         if self.reduce_dtype is not None:
@@ -425,12 +415,21 @@ class FSDP(nn.Module):
             return
         self._notify(Event.REDUCE_SCATTER, unit)  # the full gradient is still there to see
         unit.full.grad = None
-        if self._ring_reduce:
-            mine = ring_reduce_scatter(full_grad, group=self.shard_group, recorder=self.recorder)
-            self._add_grad(unit, self._all_reduce_across(mine))
-        else:
+        if self._stream is not None or not self._ring_reduce:
             for other in self.units:  # one reduce-scatter in flight: bounded memory
                 self._land_reduce(other)
+        if self._stream is not None:
+            out: list[torch.Tensor] = []
+            unit.reduce = StreamReduction(self._stream.submit(functools.partial(
+                reduce_on_stream, full_grad, out, self.shard_group, self.recorder,
+                self._all_reduce_across, (self.timeline, unit.name))), out)
+        elif self._ring_reduce:
+            start = time.perf_counter()
+            mine = ring_reduce_scatter(full_grad, group=self.shard_group, recorder=self.recorder)
+            self._add_grad(unit, self._all_reduce_across(mine))
+            self._record(unit, Activity.REDUCE_SCATTER, start)
+        else:
+            self._started[unit.name, Activity.REDUCE_SCATTER] = time.perf_counter()
             unit.reduce = reduce_scatter_from(full_grad, self.shard_size, self.shard_group)
         unit.backward_pending = False
         self.reshard(unit)
@@ -438,9 +437,12 @@ class FSDP(nn.Module):
 
     def _land_reduce(self, unit: FlatUnit) -> None:
         if unit.reduce is not None:
-            summed = unit.reduce.land()
-            unit.reduce = None
-            self._add_grad(unit, self._all_reduce_across(summed))
+            reduction, unit.reduce = unit.reduce, None
+            summed = reduction.land()
+            if not reduction.summed_across:  # torch's: timed from its start to here
+                self._record(unit, Activity.REDUCE_SCATTER)
+                summed = self._all_reduce_across(summed)
+            self._add_grad(unit, summed)
 
     def _all_reduce_across(self, group_sum: torch.Tensor) -> torch.Tensor:
         """HSDP: sum this rank's shard of its group's gradient over the n groups, in place
@@ -468,7 +470,7 @@ class FSDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype is not None:  # inputs in the parameters' dtype
-            args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(
+            args, kwargs = cast_floats(args, self.compute_dtype), cast_floats(
                 kwargs, self.compute_dtype)
         return self.module(*args, **kwargs)
 
@@ -509,6 +511,7 @@ class FSDP(nn.Module):
             raise ValueError(f"norm_type must be positive or math.inf, got {norm_type!r}.")
         for unit in self.units:
             self._land_reduce(unit)
+        self._synchronize()
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
         device = self.units[0].shard.device if self.units else torch.device("cpu")
         if norm_type == math.inf:
@@ -542,6 +545,8 @@ class FSDP(nn.Module):
         for unit in self.units:
             self._land_reduce(unit)
             self.reshard(unit)
+        self._synchronize()
+        self._new_step = True
         if self._seen_forward:
             self.forward_order, self._seen_forward = self._seen_forward, []
             self.backward_order, self._seen_backward = self._seen_backward, []
@@ -550,6 +555,7 @@ class FSDP(nn.Module):
         """The model's full state dict on every rank (fp32 parameters all-gathered from the
         shards, inside the shard group under HSDP; frozen parameters and buffers as they are),
         by the original names."""
+        self._synchronize()
         state: dict[str, torch.Tensor] = {}
         for unit in self.units:
             flat = ring_all_gather(unit.shard.detach(), group=self.shard_group)  # fp32, padded
@@ -560,6 +566,12 @@ class FSDP(nn.Module):
         for name, tensor in self.module.state_dict().items():
             state.setdefault(name, tensor.detach().clone())
         return state
+
+    def _synchronize(self) -> None:
+        """Wait for every job on the communication stream (re-raising the first failure): the
+        main thread may then run collectives of its own."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def remove_hooks(self) -> None:
         for unit in self.units:

@@ -5,7 +5,8 @@ With ``collectives=Algorithm.TORCH`` (the default) FSDP gathers a unit's paramet
 both asynchronous: the all-gather of the next unit travels while this one computes, and a
 :class:`Reduction` in flight lands when the next unit's gradient is complete. Per rank, for a
 unit of S bytes: (N-1)/N x S sent by each. (``Algorithm.RING`` uses chapters 3 and 4's rings of
-:mod:`labs.collectives` instead, one message at a time, every byte counted.)
+:mod:`labs.collectives` instead, one message at a time, every byte counted; with ``prefetch``
+they run on a communication stream and land as a :class:`StreamReduction`.)
 
 Kept apart from the wrapper that uses them, as torch's ``_fully_shard`` keeps
 ``_fsdp_collectives`` apart from its parameter groups.
@@ -13,11 +14,17 @@ Kept apart from the wrapper that uses them, as torch's ``_fully_shard`` keeps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from labs.collectives import Recorder, ring_all_gather, ring_reduce_scatter
+from labs.fsdp_timeline import Activity, FSDPTimeline, Interval
 
 
 @dataclass
@@ -32,6 +39,9 @@ class Reduction:
     """The output shard, or (all-to-all) the N pieces of this rank's shard, one per rank."""
     pieces: int
     """How many pieces ``received`` holds (1: the shard itself)."""
+    #: What :meth:`land` returns is the sum over the shard group only: under HSDP it is still
+    #: to be all-reduced across the groups.
+    summed_across = False
 
     def land(self) -> torch.Tensor:
         """Wait; return this rank's shard of the sum over ranks.
@@ -49,6 +59,26 @@ class Reduction:
         summed = self.received.view(self.pieces, -1).sum(0)  # 1-D, shard numel
         self.received.untyped_storage().resize_(0)
         return summed
+
+
+@dataclass
+class StreamReduction:
+    """A reduce-scatter handed to FSDP's communication stream (``Algorithm.RING`` with
+    ``prefetch``): the stream's thread runs the ring's reduce-scatter (and, under HSDP, the
+    all-reduce across groups) and leaves the result in ``out``."""
+
+    future: Future[None]
+    """The stream's future for the job."""
+    out: list[torch.Tensor] = field(default_factory=list)
+    """Filled by the job: this rank's shard of the sum over every rank (1-D, shard numel)."""
+    #: The job has already all-reduced across the groups (HSDP): :meth:`land` gives the sum
+    #: over all N ranks.
+    summed_across = True
+
+    def land(self) -> torch.Tensor:
+        """Wait for the job (re-raising its failure); return the summed shard."""
+        self.future.result()
+        return self.out.pop()
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
@@ -75,3 +105,30 @@ def reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
     out = torch.empty(shard_numel, dtype=full_grad.dtype, device=full_grad.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
+
+
+def gather_on_stream(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None,
+                     recorder: Recorder | None, timed: tuple[FSDPTimeline, str]) -> None:
+    """A :class:`~labs.ddp.CommStream` job: the ring's all-gather of ``shard`` into ``out``
+    (a unit's full vector, N x shard numel), appended to ``timed``'s timeline under its unit's
+    name."""
+    start = time.perf_counter()
+    ring_all_gather(shard, group=group, recorder=recorder, out=out)
+    timeline, name = timed
+    timeline.intervals.append(Interval(name, Activity.ALL_GATHER, start, time.perf_counter()))
+
+
+def reduce_on_stream(full_grad: torch.Tensor, out: list[torch.Tensor],
+                     group: dist.ProcessGroup | None, recorder: Recorder | None,
+                     across: Callable[[torch.Tensor], torch.Tensor],
+                     timed: tuple[FSDPTimeline, str]) -> None:
+    """A :class:`~labs.ddp.CommStream` job: the ring's reduce-scatter of a unit's full
+    gradient, then ``across`` (HSDP's all-reduce of the shard across groups; the identity
+    for FSDP); the shard goes into ``out``, for :meth:`StreamReduction.land`."""
+    start = time.perf_counter()
+    mine = ring_reduce_scatter(full_grad, group=group, recorder=recorder)
+    del full_grad  # the S-sized gradient goes as soon as it is reduced
+    out.append(across(mine))
+    timeline, name = timed
+    timeline.intervals.append(Interval(name, Activity.REDUCE_SCATTER, start,
+                                       time.perf_counter()))

@@ -4,8 +4,10 @@ A unit is a group of trainable parameters flattened into one vector (:class:`Fla
 FSDP's ``FSDPParamGroup``): its layout (names, shapes, offsets), this rank's fp32 shard, the
 full vector that is gathered into and freed, its :class:`ShardedState`, and what its parameter
 attributes hold while it is sharded (:class:`ShardedPlaceholder`). :class:`Event` names what a
-unit goes through in a step, as FSDP's observer is told. :func:`default_units` and
-:func:`checked_units` choose the submodules that become units.
+unit goes through in a step, as FSDP's observer is told (when: :mod:`labs.fsdp_timeline`).
+:func:`default_units` and :func:`checked_units` choose the submodules that become units,
+:func:`build_units` flattens and shards them; :func:`check_shard_size` and
+:func:`check_prefetch` refuse FSDP's other bad arguments before any collective.
 
 Why a module of its own: :mod:`labs.fsdp` holds the algorithm, when a unit is gathered,
 freed and reduce-scattered (:class:`labs.fsdp.FSDP`); this module holds the object it moves
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from labs.fsdp_collectives import Reduction
+from labs.fsdp_collectives import Reduction, StreamReduction
+from labs.zero import shard_numel
 
 
 class ShardedState(enum.Enum):
@@ -33,7 +36,8 @@ class ShardedState(enum.Enum):
     SHARDED = "sharded"
     """Only this rank's shard is held; the full vector's storage is empty."""
     GATHERING = "gathering"
-    """A prefetch: the all-gather into the full vector is in flight (torch collectives)."""
+    """A prefetch: the all-gather into the full vector is in flight (torch collectives, or the
+    ring on FSDP's communication stream)."""
     UNSHARDED = "unsharded"
     """The full vector is gathered and the unit's parameters are views of it."""
 
@@ -45,8 +49,9 @@ class Event(enum.Enum):
     """The unit's full vector has been gathered and its forward is about to run."""
     PREFETCH = "prefetch all-gather"
     """The unit's all-gather has been started, before the unit that runs just ahead of it
-    computes, and is in flight (torch collectives, from the second step on: the order of the
-    previous step tells which unit comes next). Its storage is allocated from now on."""
+    (or up to ``prefetch`` units ahead) computes, and is in flight (from the second step on:
+    the order of the previous step tells which unit comes next). Its storage is allocated
+    from now on."""
     RESHARD_FORWARD = "free after forward"
     """The unit's forward is done and its gathered vector has been freed."""
     UNSHARD_BACKWARD = "all-gather for backward"
@@ -58,7 +63,8 @@ class Event(enum.Enum):
     """The unit's full gradient is complete and its reduce-scatter is about to start."""
     RESHARD_BACKWARD = "free after backward"
     """The unit's gathered vector is freed again: of its parameters only the shard remains
-    (with torch collectives, its gradient's reduce-scatter may still be in flight)."""
+    (its gradient's reduce-scatter may still be in flight, unless the ring runs it without
+    ``prefetch``)."""
 
 
 @dataclass
@@ -92,9 +98,14 @@ class FlatUnit:
     backward_pending: bool = False
     hooks: list[Any] = field(default_factory=list)
     gather: Any = None
-    """The in-flight all-gather's ``dist.Work`` while GATHERING."""
-    reduce: Reduction | None = None
-    """The in-flight reduce-scatter of the unit's gradient (torch collectives)."""
+    """The in-flight all-gather's ``dist.Work`` (or the stream's future) while GATHERING."""
+    reduce: Reduction | StreamReduction | None = None
+    """The in-flight reduce-scatter of the unit's gradient (torch collectives, or the ring on
+    the communication stream)."""
+    in_backward: bool = False
+    """Between the unit's first pre-backward hook of a backward pass and its post-backward."""
+    gather_started: float | None = None
+    """When its in-flight all-gather was started (torch collectives: for the timeline)."""
     placeholders: list[ShardedPlaceholder] = field(default_factory=list)
     """Per parameter, what its attributes hold while the unit is SHARDED."""
     unsharded_grad: torch.Tensor | None = None
@@ -126,6 +137,53 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in tensors_in(v)]
     return []
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (nested dicts, lists, tuples) cast to
+    ``dtype``: FSDP's inputs in the compute dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floats(v, dtype) for v in value)
+    return value
+
+
+def check_shard_size(shard_size: int | None, world_size: int) -> int:
+    """``shard_size`` as an int (None: ``world_size``, plain FSDP), or a ValueError that says
+    what to pick: it must divide the world size."""
+    if shard_size is None:
+        return world_size
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 \
+            or world_size % shard_size:
+        raise ValueError(
+            f"shard_size must be a positive int that divides the world size: {world_size} "
+            f"rank(s) cannot be cut into groups of {shard_size!r}. Pick one of "
+            f"{', '.join(map(str, divisors))} (e.g. the number of GPUs per node), or None to "
+            f"shard over all {world_size} rank(s).")
+    return shard_size
+
+
+def check_prefetch(prefetch: int | None, reshard_after_forward: bool) -> None:
+    """A ValueError that says what to pass, unless ``prefetch`` is None or an int >= 0 and
+    ``reshard_after_forward`` a bool (checked before any collective, and callable without
+    ranks)."""
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < 0):
+        raise ValueError(
+            f"prefetch must be None (the default: torch collectives prefetch one unit, the "
+            f"ring none, synchronously) or an int >= 0, the number of units whose all-gather "
+            f"starts ahead of their turn (0: none, 1: the next unit, as fully_shard); got "
+            f"{prefetch!r}.")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True (free each unit's parameters after its "
+            f"forward, gather them again for backward: ZeRO-3) or False (keep them to "
+            f"backward: one all-gather a step, ZeRO-2-like memory); got "
+            f"{reshard_after_forward!r}.")
 
 
 class ShardedPlaceholder(torch.Tensor):
@@ -223,3 +281,68 @@ def default_units(module: nn.Module) -> list[nn.Module]:
         elif any(p.requires_grad for p in child.parameters()):
             units.append(child)
     return units
+
+
+def build_units(module: nn.Module, chosen: list[nn.Module], shard_size: int, shard_rank: int,
+                compute_dtype: torch.dtype | None) -> list[FlatUnit]:
+    """Assign every trainable parameter to one unit: the innermost chosen unit around the
+    module that registers it (units may nest, as with torch's ``fully_shard``: the outer
+    unit gathers only what its inner units do not hold). A parameter used by two units,
+    or outside every chosen one, goes to the root (the wrapped module itself). Each unit's
+    parameters are flattened and rank ``shard_rank`` keeps its 1/``shard_size`` of them."""
+    owner_of: dict[int, nn.Module] = {}
+    places: dict[int, list[Place]] = {}
+    all_names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    unit_of_module = {id(m): m for u in chosen for m in u.modules()}
+    # An inner unit has fewer modules than any unit around it, so writing the largest
+    # first leaves each module mapped to its innermost unit, whatever the order given.
+    outer_first = sorted(chosen, key=lambda u: -sum(1 for _ in u.modules()))
+    unit_root = {id(m): u for u in outer_first for m in u.modules()}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in list(mod._parameters.items()):
+            if p is None or not p.requires_grad:
+                continue
+            key = id(p)
+            params[key] = p
+            places.setdefault(key, []).append(Place(mod, attr))
+            all_names.setdefault(key, []).append(f"{mod_name}.{attr}" if mod_name else attr)
+            owner = unit_root.get(id(mod)) if id(mod) in unit_of_module else module
+            if key in owner_of and owner_of[key] is not owner:
+                owner = module  # tied across units: the root holds it
+            owner_of[key] = owner
+    units = []
+    for unit_module in [*chosen, module]:
+        keys = [k for k in params if owner_of[k] is unit_module]
+        if keys:
+            name = next((n for n, m in module.named_modules() if m is unit_module), "")
+            units.append(_flat_unit(
+                name or "root", unit_module, [params[k] for k in keys],
+                [places[k] for k in keys], [all_names[k] for k in keys], shard_size,
+                shard_rank, compute_dtype))
+    return units
+
+
+def _flat_unit(name: str, unit_module: nn.Module, params: list[nn.Parameter],
+               places: list[list[Place]], names: list[list[str]], shard_size: int,
+               shard_rank: int, compute_dtype: torch.dtype | None) -> FlatUnit:
+    shapes = [p.shape for p in params]
+    offsets, total = [], 0
+    for shape in shapes:
+        offsets.append(total)
+        total += shape.numel()
+    k = shard_numel(total, shard_size)
+    flat = torch.zeros(k * shard_size, dtype=torch.float32)  # the padded vector
+    for param, offset in zip(params, offsets, strict=True):
+        flat[offset:offset + param.numel()] = param.detach().reshape(-1)
+    device = params[0].device
+    shard = nn.Parameter(flat[shard_rank * k:(shard_rank + 1) * k].clone().to(device))
+    dtype = compute_dtype or torch.float32
+    full = torch.empty(k * shard_size, dtype=dtype, device=device, requires_grad=True)
+    full.untyped_storage().resize_(0)  # SHARDED: nothing held beyond the shard
+    for param_places in places:
+        for place in param_places:
+            del place.module._parameters[place.attr]  # now a plain attribute (a view)
+    unit = FlatUnit(name, unit_module, names, shapes, places, offsets, total, shard, full)
+    point_at_placeholders(unit)
+    return unit
