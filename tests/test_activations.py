@@ -32,6 +32,7 @@ from labs.experiments.activations import (
     CHAPTER_MODEL,
     ActivationSettings,
     CheckpointCase,
+    backward_peak,
     checkpointing_model,
     measure_checkpointing,
     mlp_workload,
@@ -340,3 +341,16 @@ def test_tables_and_figure():
         plot_activations({})
     with pytest.raises(ValueError, match="measure with measure_saved"):
         saved_tensors_table(reports["without"], "blocks.0")
+
+
+def test_checkpointing_peaks_in_backward_with_one_block_rebuilt():
+    s = ActivationSettings(2, 5, 12, 3, 3)
+    plain = backward_peak(s.workload(), checkpointing=False)
+    ckpt = backward_peak(s.workload(checkpointing=True), checkpointing=True)
+    one_block = measure_saved(s.workload()).bytes_by_layer()["blocks.0"]
+    # after forward: what the closed forms give (and the loss, a 4-byte scalar)
+    assert plain.after_forward == s.activation_bytes() + 4
+    assert ckpt.after_forward == s.activation_bytes(checkpointing=True) + 4
+    # in backward the block being recomputed is whole again, beside the kept inputs
+    assert ckpt.backward_peak >= ckpt.after_forward + one_block
+    assert ckpt.backward_peak < plain.backward_peak

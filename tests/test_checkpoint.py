@@ -164,6 +164,11 @@ def test_each_rank_writes_its_real_elements_and_rank_0_the_index(resumed):
     assert written[1] == index.file_bytes[1]
     assert written[0] == index.file_bytes[0] + index.replicated_bytes + (
         directory / INDEX).stat().st_size
+    # the tensors saved and the tensors read back on any number of ranks are the same bytes
+    tensors = sum(r.tensor_bytes_written for r in resumed.saves)
+    assert tensors > 0
+    for reports in resumed.loads.values():
+        assert sum(r.bytes_read for r in reports) == tensors
 
 
 @pytest.mark.parametrize("world_size", [2, 1])

@@ -14,6 +14,8 @@ from labs.experiments.recipe import (
     budget_error,
     budget_table,
     build,
+    peak_budget,
+    peak_moment,
     recipe_worker,
     unit_sizes,
 )
@@ -31,17 +33,42 @@ def test_the_budget_counts_the_units_that_fsdp_builds():
     assert launch(units_worker, 2, args=(SMALL,), echo=False)[0] == unit_sizes(SMALL)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_budget_rows_add_up_to_the_measured_peak_within_ten_percent(checkpointing):
-    # the recipe's own model (8 blocks of width 64): the closed forms leave out what is small
-    # there (with checkpointing, what is left of the block being recomputed at the peak)
-    config = RecipeConfig(steps=2, activation_checkpointing=checkpointing, measure_memory=True)
+def _budget_within_three_percent(accumulation: int, checkpointing: bool) -> None:
+    # the recipe's own model (8 blocks of width 64), as the chapter measures it
+    config = RecipeConfig(steps=2, accumulation=accumulation,
+                          activation_checkpointing=checkpointing, measure_memory=True)
     result = launch(recipe_worker, 2, args=(config,), echo=False, timeout=120)[0]
-    assert abs(budget_error(result)) <= 0.10, budget_table(result)
-    # the check can fail: leave out the activations and the sum falls short
+    assert abs(budget_error(result)) <= 0.03, budget_table(result)
+    # the check can fail: leave out the largest transient row and the sum falls short
+    left_out = "recomputed block" if checkpointing else "activations"
     short = dataclasses.replace(result, budget=tuple(
-        r for r in result.budget if r.name != "activations"))
-    assert abs(budget_error(short)) > 0.10
+        r for r in result.budget if r.name != left_out))
+    assert budget_error(short) > 0.03
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_budget_rows_add_up_to_the_measured_peak_within_three_percent(checkpointing):
+    _budget_within_three_percent(2, checkpointing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_budget_holds_for_one_and_four_micro_batches(accumulation, checkpointing):
+    _budget_within_three_percent(accumulation, checkpointing)
+
+
+def test_the_peak_budget_names_what_each_setting_holds():
+    # arithmetic only: the moment the closed forms pick, and the rows that exist there
+    on = RecipeConfig()  # k = 2, checkpointing
+    names = {r.name: r.model_bytes for r in peak_budget(on, 2)}
+    assert names["recomputed block"] > 0 and names["reduce-scatter in flight"] > 0
+    assert peak_moment(on, 2) == 1  # the first reduce-scatter in flight, the rest unlanded
+    off = dataclasses.replace(on, activation_checkpointing=False)
+    assert "recomputed block" not in {r.name for r in peak_budget(off, 2)}
+    assert peak_moment(off, 2) == 0  # the start of backward: every block's activations
+    one = dataclasses.replace(on, accumulation=1)
+    assert peak_moment(one, 2) == on.n_layers - 2  # landed shards outgrow the freed inputs
 
 
 def test_a_run_saved_on_four_ranks_resumes_on_two_with_twice_the_accumulation(tmp_path):

@@ -21,6 +21,7 @@ from labs.activations import (
     recomputed_modules,
 )
 from labs.fsdp import FSDP
+from labs.memory import AllocationTracker
 from labs.models import StepSettings, mlp
 from labs.train import CHARS, TinyTransformer
 
@@ -188,6 +189,33 @@ def measure_checkpointing(settings: ActivationSettings = CHAPTER_MODEL,
         for c, w, t, f in zip((False, True), (plain, checkpointed), times, forwards,
                               strict=True))
     return without, with_
+
+
+@dataclass(frozen=True)
+class BackwardPeak:
+    """Bytes of the storages one step makes (forward, loss, backward), the parameters'
+    gradients excepted: alive when forward returns, and the most alive at once in backward."""
+
+    checkpointing: bool
+    after_forward: int
+    backward_peak: int
+
+
+def backward_peak(workload: Workload, checkpointing: bool) -> BackwardPeak:
+    """Run one step under an :class:`~labs.memory.AllocationTracker`. The parameters'
+    gradients are made (zeros) before it, so backward adds into storages the tracker does not
+    count: what it counts is the activations, the loss, what backward makes on its way (the
+    gradient flowing back, a layer's weight gradient before it is added) and, with
+    checkpointing, the block that backward runs forward again."""
+    for p in workload.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    with AllocationTracker() as tracker:
+        loss = workload.forward()
+        after = tracker.live_bytes
+        tracker.reset_peak()
+        loss.backward()
+    return BackwardPeak(checkpointing, after, tracker.peak_bytes)
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,9 @@ class SaveReport:
     continued: State  #: full parameters after one more step on the same ranks
     bytes_written: int  #: bytes of the files this rank wrote
     seconds: float  #: wall time of save() on this rank
+    #: tensor bytes of this rank's shards of the parameters and optimizer state, real
+    #: elements only (the files hold no padding): the unit of a load's ``bytes_read``
+    tensor_bytes_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,9 +200,16 @@ def save_worker(rank: int, world_size: int, settings: CheckpointSettings,
     directory = Path(path)
     mine = [shard_file_name(rank, world_size)] + ([REPLICATED, INDEX] if rank == 0 else [])
     written = sum((directory / name).stat().st_size for name in mine)
+    tensor_bytes = 0  # the real elements of each shard and its optimizer state (no padding)
+    for unit in model.units:
+        k = unit.shard.numel()
+        real = max(0, min(k, unit.numel - rank * k))
+        sharded = [v for v in optimizer.state.get(unit.shard, {}).values()
+                   if isinstance(v, torch.Tensor) and v.shape == unit.shard.shape]
+        tensor_bytes += sum(real * t.element_size() for t in [unit.shard, *sharded])
     train_step(model, optimizer, settings, settings.steps, rank, world_size)
     return SaveReport(rank, world_size, losses, saved, saved_optimizer,
-                      _on_cpu(model.gather_full_params()), written, seconds)
+                      _on_cpu(model.gather_full_params()), written, seconds, tensor_bytes)
 
 
 def load_worker(rank: int, world_size: int, settings: CheckpointSettings,
@@ -250,15 +260,17 @@ class ResumeResult:
 
     def table(self) -> str:
         """Per run and rank: bytes written or read, files read, seconds, and the checks."""
-        header = ["run", "N", "rank", "bytes written", "bytes read", "shard files read",
-                  "seconds", "bit-identical", "next step max |diff|"]
+        header = ["run", "N", "rank", "file bytes written", "tensor bytes written",
+                  "tensor bytes read", "shard files read", "seconds", "bit-identical",
+                  "next step max |diff|"]
         n = self.settings.save_world_size
-        rows: list[list[object]] = [[f"save on {n}", n, r.rank, r.bytes_written, "", "",
-                                     round(r.seconds, 4), "", ""] for r in self.saves]
+        rows: list[list[object]] = [[f"save on {n}", n, r.rank, r.bytes_written,
+                                     r.tensor_bytes_written, "", "", round(r.seconds, 4), "",
+                                     ""] for r in self.saves]
         for w, reports in self.loads.items():
             same = "yes" if not self.mismatches(w) else "NO"
             diff = self.next_step_difference(w)
-            rows += [[f"load on {w}", w, r.rank, "", r.bytes_read, r.files_read,
+            rows += [[f"load on {w}", w, r.rank, "", "", r.bytes_read, r.files_read,
                       round(r.seconds, 4), same, diff] for r in reports]
         return format_table(header, rows)
 

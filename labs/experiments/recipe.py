@@ -16,11 +16,12 @@ The global batch is N * k * B windows: a run resumed on N/2 ranks with 2k micro-
 keeps it. (The order of the samples depends on N, so such a run continues the loss curve,
 not the exact sequence of batches an N-rank run would have read.)
 
-:func:`memory_budget` measures rank 0's peak over one step (tensor storages, as
-:mod:`labs.memory` counts them) and sets beside it the closed form of each thing a rank
-holds: its shards of the parameters, gradients and Adam state (1/N), the activations saved
-for backward (:func:`labs.activations.activation_bytes`), and the communication buffers of
-the units in flight.
+:func:`recipe_worker` measures rank 0's peak over one step (tensor storages, as
+:mod:`labs.memory` counts them) and :func:`peak_budget` sets beside it the closed form of each
+thing a rank holds then: its shards of the parameters, gradients and Adam state (1/N), the
+activations saved for backward (:func:`labs.activations.activation_bytes`), the block being
+recomputed, the gathered units and the collectives in flight. :func:`memory_budget` keeps the
+terms that grow with the model, for the chapter's calculator.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def recipe_worker(rank: int, world_size: int, config: RecipeConfig) -> RecipeRes
         losses=tuple(curve.tolist()), grad_norms=tuple(float(n) for n in norms),
         seconds=seconds, saved_steps=tuple(saved),
         peak_bytes=tracker.peak_bytes if tracker is not None else None,
-        budget=tuple(memory_budget(config, world_size)) if tracker is not None else ())
+        budget=tuple(peak_budget(config, world_size)) if tracker is not None else ())
 
 
 def save(config: RecipeConfig, model: FSDP, optimizer: torch.optim.Optimizer, step: int
@@ -239,8 +240,11 @@ def save(config: RecipeConfig, model: FSDP, optimizer: torch.optim.Optimizer, st
 
 
 def held_tensors(model: FSDP, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """What a rank holds between steps: its shards, frozen parameters, buffers, Adam state."""
-    tensors = [*model.parameters(), *model.buffers()]
+    """What a rank holds between steps: its shards, frozen parameters, buffers, Adam state;
+    and every unit's full vector, empty between steps: the all-gather fills a storage that
+    exists already (``resize_``, no operator makes it), so the tracker must be told of it to
+    see the gathered parameters."""
+    tensors = [*model.parameters(), *model.buffers(), *(u.full for u in model.units)]
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
@@ -299,6 +303,102 @@ def memory_budget(config: RecipeConfig, world_size: int, vocab: int | None = Non
     return rows
 
 
+def peak_budget(config: RecipeConfig, world_size: int, vocab: int | None = None
+                ) -> list[BudgetRow]:
+    """Every closed form rank 0 holds at the peak of a step: the largest of
+    :func:`backward_moments` (see there)."""
+    return max(backward_moments(config, world_size, vocab),
+               key=lambda rows: sum(r.model_bytes for r in rows))
+
+
+def peak_moment(config: RecipeConfig, world_size: int, vocab: int | None = None) -> int:
+    """How many blocks' backward are done at the peak, by the closed forms."""
+    totals = [sum(r.model_bytes for r in rows)
+              for rows in backward_moments(config, world_size, vocab)]
+    return totals.index(max(totals))
+
+
+def backward_moments(config: RecipeConfig, world_size: int, vocab: int | None = None
+                     ) -> list[list[BudgetRow]]:
+    """The closed forms of what rank 0 holds at each block's backward in the last
+    micro-batch (entry i: i blocks' backward done), on gloo, as :func:`recipe_worker`
+    measures a step, transients included.
+
+    :func:`memory_budget` keeps the terms that grow with a large model; this one adds what
+    is in flight, so that the rows account for the measured peak. The peak falls in the last
+    micro-batch's backward, at some block's backward; which one depends on the settings, so
+    each block's moment is written down (:func:`peak_budget` takes the largest). With i
+    blocks' backward done (i = 0 .. L-1), e bytes per element of the compute dtype, S_b a
+    block's elements, S_r the root unit's (padded to a multiple of N):
+
+    * the fp32 shards of the parameters (4P/N) and of Adam's two moments (8P/N);
+    * gradients: with k > 1, every unit's whole fp32 gradient kept by ``no_sync`` (4P), less
+      the i - 1 blocks whose reduce-scatter has landed, which hold their fp32 shard instead
+      (4 S_b/N each); with k = 1, those shards only;
+    * the reduce-scatter in flight (i >= 1): the previous block's fp32 gradient (with k = 1;
+      with k > 1 it is the ``no_sync`` gradient, in the row above) and the buffer that gloo's
+      all-to-all receives it into, all N pieces of S_b/N: 4 S_b (on NCCL an S_b/N shard);
+    * the gathered parameters, in the compute dtype: the root unit, this block and the next
+      one, prefetched (not at the last block): e (S_r + 2 S_b);
+    * the prefetch's shard cast to the compute dtype, alive until its all-gather is waited
+      for (e S_b/N; none in fp32, where the shard itself is sent, or on one rank);
+    * the activations of the micro-batch (:func:`labs.activations.activation_bytes`) less
+      the i blocks whose backward is done: each kept its whole activations, or with
+      checkpointing only its input (B T D e);
+    * with checkpointing, the block being recomputed: one block's activations,
+      B T (16 D + H T + 4) e + T^2.
+
+    Not in it: the tensors backward makes and frees as it goes (the gradient of the residual
+    stream, a layer's weight gradient before it is added to the block's), a few per cent."""
+    vocab = vocab or len(set(TEXT))
+    n = world_size
+    sizes = [shard_numel(s, n) * n for s in unit_sizes(config, vocab)]
+    padded, block, root = sum(sizes), sizes[0], sizes[-1]
+    e = torch.finfo(config.compute_dtype or torch.float32).bits // 8
+    shape = (config.batch_size, config.seq_len, config.d_model, config.n_heads)
+    ckpt = config.activation_checkpointing
+    whole = activation_bytes(*shape, 1, vocab, element_size=e)
+    inputs_only = activation_bytes(*shape, 1, vocab, element_size=e, checkpointing=True)
+    block_input = config.batch_size * config.seq_len * config.d_model * e
+    one_block = whole - inputs_only + block_input  # B T (16 D + H T + 4) e + T^2
+    saved = activation_bytes(*shape, config.n_layers, vocab, element_size=e,
+                             checkpointing=ckpt)
+    kept = block_input if ckpt else one_block  # what each block holds until its backward
+    shard_bytes = 4 * block // n
+    moments = []
+    for i in range(config.n_layers):
+        landed = max(i - 1, 0)
+        last = i == config.n_layers - 1
+        if config.accumulation > 1:
+            grads = BudgetRow("gradients", 4 * (padded - landed * block) + landed * shard_bytes,
+                              "kept whole by no_sync, fp32: 4 B x P"
+                              + (f" ({landed} block(s) already shards)" if landed else ""))
+        else:
+            grads = BudgetRow("gradients", landed * shard_bytes,
+                              f"fp32 shards of {landed} block(s) reduce-scattered")
+        in_flight = (4 * block if config.accumulation == 1 else 0) + 4 * block if i else 0
+        what = "blocks' inputs" if ckpt else "saved for backward"
+        rows = [
+            BudgetRow("parameters", 4 * padded // n, "fp32 shards: 4 B x P/N"),
+            BudgetRow("optimizer state", 8 * padded // n, "Adam, fp32 shards: 2 x 4 B x P/N"),
+            grads,
+            BudgetRow("reduce-scatter in flight", in_flight,
+                      "none yet" if not i else "gloo's receive buffer: 4 B x S_block"
+                      + (" + the block's fp32 gradient" if config.accumulation == 1 else "")),
+            BudgetRow("gathered parameters", e * (root + block * (1 if last else 2)),
+                      "root, this block" + ("" if last else ", the next (prefetched)")),
+            BudgetRow("all-gather in flight", 0 if last or n == 1 or e == 4 else e * block // n,
+                      "the prefetch's shard in the compute dtype: e x S_block/N"),
+            BudgetRow("activations", saved - i * kept,
+                      f"{what}, one micro-batch" + (f", less {i} block(s) done" if i else "")),
+        ]
+        if ckpt:
+            rows.append(BudgetRow("recomputed block", one_block,
+                                  "one block's activations: BT(16D + HT + 4)e + T^2"))
+        moments.append(rows)
+    return moments
+
+
 def budget_table(result: RecipeResult) -> str:
     """Rank 0's budget: each closed form, their sum, and the measured peak beside it."""
     if result.peak_bytes is None:
@@ -318,6 +418,27 @@ def budget_error(result: RecipeResult) -> float:
     """(measured peak - sum of the closed forms) / measured peak."""
     assert result.peak_bytes is not None
     return (result.peak_bytes - sum(r.model_bytes for r in result.budget)) / result.peak_bytes
+
+
+def budget_sweep_worker(rank: int, world_size: int, configs: tuple[RecipeConfig, ...]
+                        ) -> list[RecipeResult]:
+    """:func:`recipe_worker` for each of ``configs`` in turn, in one launch (one process
+    group): the budget checked at several settings for the price of one start."""
+    return [recipe_worker(rank, world_size, config) for config in configs]
+
+
+def budget_sweep_table(results: list[RecipeResult], configs: tuple[RecipeConfig, ...]) -> str:
+    """One line per setting: the rows' sum, the measured peak and the rest."""
+    mib = 2**20
+    rows = []
+    for config, result in zip(configs, results, strict=True):
+        total = sum(r.model_bytes for r in result.budget)
+        rows.append([config.accumulation, "yes" if config.activation_checkpointing else "no",
+                     peak_moment(config, result.world_size), f"{total / mib:.3f}",
+                     f"{(result.peak_bytes or 0) / mib:.3f}", f"{budget_error(result):+.1%}"])
+    return format_table(["k", "checkpointing", "blocks' backward done at the peak (model)",
+                         "sum of the rows (MiB)", "measured peak (MiB)",
+                         "the rest"], rows)
 
 
 def loss_report(result: RecipeResult, rows: int = 8) -> str:
