@@ -72,6 +72,32 @@ def reference_run(optimizer: str) -> list[dict[str, torch.Tensor]]:
     return states
 
 
+def train_sharded(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                  y: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """:data:`STEPS` steps of a sharded model (FSDP, HSDP) on this rank's slice: its full
+    parameters, gathered after each step, to hold against :func:`reference_run`'s."""
+    states = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+        states.append(model.gather_full_params())
+    return states
+
+
+class Deep(nn.Module):
+    """Three Linear(10, 10), the same on every rank: one FSDP unit each, when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean(dim=1)
+
+
 def assert_states_match(got: list[dict[str, torch.Tensor]],
                         want: list[dict[str, torch.Tensor]], what: str) -> None:
     """Every step's state dict equal to the reference's, the tied names and buffer included."""

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
+from collective_counter import calls_before_refusal
 from torch import nn
 
 import labs
@@ -22,13 +22,13 @@ from labs.fsdp import FSDP, Activity, FSDPTimeline, check_prefetch
 
 from parity import (
     OPTIMIZERS,
-    STEPS,
+    Deep,
     TiedNet,
     assert_states_match,
     launch,
-    loss_of,
     rank_batch,
     reference_run,
+    train_sharded,
 )
 
 #: (prefetch, reshard_after_forward) of the fast parity test; the others run in the slow one.
@@ -47,15 +47,8 @@ def parity_worker(rank: int, world_size: int, cases: list[tuple[int, bool]],
         for prefetch, reshard in cases:
             model = FSDP(TiedNet(seed=rank), collectives=Algorithm.RING, prefetch=prefetch,
                          reshard_after_forward=reshard, shard_size=shard_size)
-            opt = cls(model.parameters(), **kwargs)
-            states = []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss_of(model, x, y).backward()
-                model.finish_gradient_synchronization()
-                opt.step()
-                states.append(model.gather_full_params())
-            out[f"{optimizer}-{prefetch}-{reshard}"] = states
+            out[f"{optimizer}-{prefetch}-{reshard}"] = train_sharded(
+                model, cls(model.parameters(), **kwargs), x, y)
     return out
 
 
@@ -90,16 +83,6 @@ def test_the_parity_oracle_catches_a_wrong_step():
 
 
 # --- what backward gathers ---------------------------------------------------------------------
-
-
-class Deep(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x).square().mean(dim=1)
 
 
 def traffic_worker(rank: int, world_size: int) -> dict[bool, dict[str, int]]:
@@ -235,23 +218,8 @@ def test_good_prefetch_arguments_pass(prefetch, reshard):
 
 def refused_worker(rank: int, world_size: int, prefetch: int) -> tuple[int, str]:
     """(collectives called before FSDP refused ``prefetch``, its message)."""
-    calls = [0]
-
-    def counted(fn):
-        def call(*args, **kwargs):
-            calls[0] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name in ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
-                 "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv",
-                 "batch_isend_irecv", "barrier"):
-        setattr(dist, name, counted(getattr(dist, name)))  # a rank's process: nothing to undo
-    try:
-        FSDP(Deep(), collectives=Algorithm.RING, prefetch=prefetch)
-    except ValueError as err:
-        return calls[0], str(err)
-    return calls[0], "no error"
+    return calls_before_refusal(
+        lambda: FSDP(Deep(), collectives=Algorithm.RING, prefetch=prefetch))
 
 
 def test_fsdp_refuses_a_bad_prefetch_before_any_collective():

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from collective_counter import COMMUNICATION, calls_before_refusal
 from torch import nn
 
 from labs import RankError
@@ -30,6 +31,7 @@ from parity import (
     loss_of,
     rank_batch,
     reference_run,
+    train_sharded,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -52,16 +54,8 @@ def parity_worker(rank: int, world_size: int, shard_sizes: list[int]
             model = FSDP(TiedNet(seed=rank), collectives=algo, shard_size=g,
                          recorder=inside if ring else None,
                          replicate_recorder=across if ring else None)
-            opt = cls(model.parameters(), **kwargs)
-            states = []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss_of(model, x, y).backward()
-                model.finish_gradient_synchronization()
-                opt.step()
-                states.append(model.gather_full_params())
             key = f"{g}-{algo.name}"
-            out[key] = states
+            out[key] = train_sharded(model, cls(model.parameters(), **kwargs), x, y)
             out[f"{key} shards"] = [u.shard.numel() for u in model.units]
             out[f"{key} padded bytes"] = sum(4 * u.padded_numel for u in model.units)
             out[f"{key} shard rank"] = model.shard_rank
@@ -199,29 +193,10 @@ def test_hsdp_holds_one_shard_size_th_of_ddp_and_sends_the_closed_form_across_gr
 
 # --- refusals -------------------------------------------------------------------------------
 
-#: Every way FSDP could talk to the other ranks, and the sub-group creation.
-COMMUNICATION = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
-                 "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv",
-                 "batch_isend_irecv", "barrier", "new_group")
-
-
 def refused_worker(rank: int, world_size: int, shard_size: object) -> tuple[int, str]:
-    """(calls to any of :data:`COMMUNICATION` before FSDP refused, its message)."""
-    calls = [0]
-
-    def counted(fn):
-        def call(*args, **kwargs):
-            calls[0] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name in COMMUNICATION:
-        setattr(dist, name, counted(getattr(dist, name)))  # a rank's process: nothing to undo
-    try:
-        FSDP(TiedNet(seed=0), shard_size=shard_size)
-    except ValueError as err:
-        return calls[0], str(err)
-    return calls[0], "no error"
+    """(calls to any collective, or to ``new_group``, before FSDP refused, its message)."""
+    return calls_before_refusal(lambda: FSDP(TiedNet(seed=0), shard_size=shard_size),
+                                names=(*COMMUNICATION, "new_group"))
 
 
 @pytest.mark.parametrize("shard_size", [3, 8, 0, True])

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from collective_counter import calls_before_refusal
 from torch import nn
 
 from labs import RankError
@@ -23,6 +24,7 @@ from labs.zero import GradientEvent, ShardedOptimizer, ZeroStage, shard_numel
 from parity import (
     OPTIMIZERS,
     STEPS,
+    Deep,
     TiedNet,
     assert_states_match,
     batch,
@@ -129,16 +131,6 @@ def test_ranks_hold_shards_of_a_quarter_and_free_what_they_gathered():
 
 
 # --- events, traffic, mixed precision --------------------------------------------------------
-
-
-class Deep(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x).square().mean(dim=1)
 
 
 def events_worker(rank: int, world_size: int) -> dict[str, object]:
@@ -343,35 +335,19 @@ def test_using_a_units_parameter_outside_its_forward_is_an_error_naming_it():
         launch(outside_use_worker, 2, echo=False, timeout=30)
 
 
-#: Every way FSDP could talk to the other ranks (torch's collectives, point to point).
-COMMUNICATION = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
-                 "reduce_scatter_tensor", "all_to_all_single", "send", "recv", "isend", "irecv",
-                 "batch_isend_irecv", "barrier")
-
-
 def units_error(rank: int, world_size: int, which: str) -> tuple[int, str]:
-    """(calls to any of :data:`COMMUNICATION` before FSDP refused the units, its message)."""
-    calls = [0]
-
-    def counted(fn):
-        def call(*args, **kwargs):
-            calls[0] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name in COMMUNICATION:
-        setattr(dist, name, counted(getattr(dist, name)))  # a rank's process: nothing to undo
+    """(calls to any collective before FSDP refused the units, its message)."""
     net = Deep()
     units = {"itself": [net], "foreign": [nn.Linear(2, 2)], "twice": [net.layers[0]] * 2,
              "not a module": ["layers.0"]}.get(which)
-    try:
+
+    def build() -> None:
         if which == "list":
             looped = Looped(seed=0)
             FSDP(looped, units=[looped.blocks])
         FSDP(net, units=units)
-    except (TypeError, ValueError) as err:
-        return calls[0], str(err)
-    return calls[0], "no error"
+
+    return calls_before_refusal(build, refusals=(TypeError, ValueError))
 
 
 @pytest.mark.parametrize("which, message", [
