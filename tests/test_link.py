@@ -146,7 +146,8 @@ def test_a_ring_step_keeps_every_port_busy_once():
 @pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow),
                                pytest.param(5, marks=pytest.mark.slow),
                                pytest.param(6, marks=pytest.mark.slow),
-                               pytest.param(7, marks=pytest.mark.slow), 8])
+                               pytest.param(7, marks=pytest.mark.slow),
+                               pytest.param(8, marks=pytest.mark.slow)])
 def test_all_reduces_follow_their_closed_forms(n):
     """The closed forms are labs.cost_model's (the chapter's): one message per ring step here
     (segments as large as a chunk), and recursive doubling's exact schedule when N is not a
