@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The book build executes every notebook; fail on warnings, on a broken reference or a cell error.
 JB_FLAGS ?= -W -n --keep-going
 
-.PHONY: env book test test-slow test-latest lock lint bench notebooks chapter clean
+.PHONY: env book test test-slow test-latest test-gpu gpu-wheelhouse lock lint bench notebooks chapter clean
 
 env: $(STAMP)
 
@@ -91,6 +91,17 @@ notebooks: $(STAMP)
 chapter: $(STAMP)
 	@test -n "$(NB)" || { echo "usage: make chapter NB=02 (a chapter's number, or A1)"; exit 2; }
 	$(BIN)/python tools/execute_notebooks.py notebooks/$(NB)_*.md
+
+# On a GPU box that keeps its own CUDA torch (README, "On a GPU box"): tests/test_gpu.py, the
+# library's tests and nbval of every chapter with the GPU visible, by the box's python3, with
+# the logs and JUnit files in _build/gpu (reports/gpu/ holds the reports made from them). A box
+# without network takes the Jupyter packages from _build/wheelhouse, made here by
+# `make gpu-wheelhouse` (GPU_PY=3.12 by default) and copied there.
+test-gpu:
+	bash tools/gpu_check.sh _build/gpu
+
+gpu-wheelhouse:
+	bash tools/gpu_wheelhouse.sh _build/wheelhouse
 
 lint: $(STAMP)
 	$(BIN)/ruff check labs tests tools notebooks
