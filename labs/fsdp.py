@@ -105,6 +105,18 @@ from labs.fsdp_unit import (
 from labs.grid import hybrid_groups
 
 
+def units_to_prefetch(order: Sequence[str], current: str, prefetch: int) -> list[str]:
+    """Which units' all-gathers to start when unit ``current`` starts computing (FSDP's
+    prefetch decision, in both passes): the ``prefetch`` units that ``order`` runs right after
+    ``current``, fewer at its end; none when ``prefetch`` is 0 or ``current`` is not in
+    ``order`` (the first step has recorded nothing). ``order`` is the pass's own order in the
+    last step, as recorded (backward's is its own, not forward's reversed)."""
+    if prefetch == 0 or current not in order:
+        return []
+    position = list(order).index(current)
+    return list(order[position + 1:position + 1 + prefetch])
+
+
 class FSDP(nn.Module):
     """ZeRO stage 3 (see the module docstring). Use it like :class:`labs.ddp.DDP`:
 
@@ -156,6 +168,8 @@ class FSDP(nn.Module):
             transfers overlap compute: a unit waits for its own all-gather only, and the
             reduce-scatters land at the next unit's post-backward or in
             :meth:`finish_gradient_synchronization`.
+        prefetch_policy: ``policy(order, current, prefetch)``, the units' names to prefetch as
+            ``current`` starts (exercise 7.3's); None (default): :func:`units_to_prefetch`.
         reshard_after_forward: True (default): free each unit's gathered parameters after its
             forward and gather them again for its backward. False: keep them from forward to
             backward (ZeRO-2-like: the full parameters of every unit are held between forward
@@ -180,6 +194,7 @@ class FSDP(nn.Module):
                  activation_checkpointing: bool = False,
                  collectives: Algorithm = Algorithm.TORCH,
                  prefetch: int | None = None,
+                 prefetch_policy: Callable[[list[str], str, int], Sequence[str]] | None = None,
                  reshard_after_forward: bool = True,
                  process_group: dist.ProcessGroup | None = None,
                  observer: Callable[[Event, str], None] | None = None,
@@ -196,7 +211,7 @@ class FSDP(nn.Module):
                                           and dtype.is_floating_point):
                 raise ValueError(f"{name} must be None or a floating-point torch.dtype (e.g. "
                                  f"torch.bfloat16), got {dtype!r}.")
-        check_prefetch(prefetch, reshard_after_forward)
+        check_prefetch(prefetch, reshard_after_forward, prefetch_policy)
         if (recorder is not None or replicate_recorder is not None) \
                 and collectives is not Algorithm.RING:
             raise ValueError("a Recorder counts the ring's messages: pass "
@@ -224,6 +239,8 @@ class FSDP(nn.Module):
         #: How many units ahead all-gathers start (see ``prefetch``).
         self.prefetch = (1 if collectives is Algorithm.TORCH else 0) if prefetch is None \
             else prefetch
+        #: Picks the units to prefetch (see ``prefetch_policy``).
+        self.prefetch_policy = prefetch_policy or units_to_prefetch
         self.reshard_after_forward = reshard_after_forward
         #: Where the ring's collectives run when ``prefetch`` is given; None: synchronously
         #: (the ring without ``prefetch``) or torch's asynchronous collectives.
@@ -338,13 +355,13 @@ class FSDP(nn.Module):
             unit.state = ShardedState.SHARDED
 
     def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
-        """Start gathering the :attr:`prefetch` units that ``order`` runs after ``unit``, so
-        that their all-gathers travel while ``unit`` computes. Every rank recorded the same
-        order, so every rank starts the same collectives in the same order."""
-        if self.prefetch == 0 or unit not in order:
-            return
-        position = order.index(unit)
-        for ahead in order[position + 1:position + 1 + self.prefetch]:
+        """Start gathering the units :attr:`prefetch_policy` picks, to travel while ``unit``
+        computes. Every rank recorded the same order: every rank starts the same collectives."""
+        by_name = {u.name: u for u in order}
+        for name in self.prefetch_policy([u.name for u in order], unit.name, self.prefetch):
+            ahead = by_name.get(name)
+            if ahead is None:
+                raise ValueError(f"prefetch_policy returned {name!r}, not one of {list(by_name)}.")
             if ahead.state is ShardedState.SHARDED:
                 self.unshard(ahead, prefetch=True)
                 self._notify(Event.PREFETCH, ahead)

@@ -167,10 +167,11 @@ def check_shard_size(shard_size: int | None, world_size: int) -> int:
     return shard_size
 
 
-def check_prefetch(prefetch: int | None, reshard_after_forward: bool) -> None:
-    """A ValueError that says what to pass, unless ``prefetch`` is None or an int >= 0 and
-    ``reshard_after_forward`` a bool (checked before any collective, and callable without
-    ranks)."""
+def check_prefetch(prefetch: int | None, reshard_after_forward: bool,
+                   prefetch_policy: object = None) -> None:
+    """A ValueError that says what to pass, unless ``prefetch`` is None or an int >= 0,
+    ``reshard_after_forward`` a bool and ``prefetch_policy`` None or callable (checked before
+    any collective, and callable without ranks)."""
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
                                  or prefetch < 0):
         raise ValueError(
@@ -184,6 +185,11 @@ def check_prefetch(prefetch: int | None, reshard_after_forward: bool) -> None:
             f"forward, gather them again for backward: ZeRO-3) or False (keep them to "
             f"backward: one all-gather a step, ZeRO-2-like memory); got "
             f"{reshard_after_forward!r}.")
+    if prefetch_policy is not None and not callable(prefetch_policy):
+        raise ValueError(
+            f"prefetch_policy must be None (labs.fsdp.units_to_prefetch) or a function "
+            f"policy(order, current, prefetch) returning the names of the units to prefetch; "
+            f"got {prefetch_policy!r}.")
 
 
 class ShardedPlaceholder(torch.Tensor):

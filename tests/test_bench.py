@@ -445,3 +445,4 @@ def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):
     assert "FSDP / DDP: " in out and "with communication buffers too" in out, out
     assert out.count("x\n") >= 1 and "FSDP (ZeRO-3)" in out, out
     assert "of the bytes (target <= 1/3)" in out and "bf16 compute, fp32 reduce" in out, out
+    assert "prefetch 1 vs 0 (reshard on)" in out and "model / measured" in out, out

@@ -60,7 +60,8 @@ HANG_S = 3
 
 
 def takes_world_sizes(row: ExerciseSpec) -> bool:
-    """Whether the row's check runs on world sizes (7.2's runs a pure function in one process)."""
+    """Whether the row's check runs on world sizes (7.2's and 7.3's call a pure function in a
+    thread, on ranks of their own)."""
     return "world_sizes" in inspect.signature(row.check_function()).parameters
 
 
@@ -243,14 +244,14 @@ class DeadlockedWrapper:
 
 
 def never_returns(*args):
-    """For 7.2, which calls the learner's function in a thread: a loop that never ends."""
+    """For 7.2 and 7.3, which call the learner's function in a thread: a loop that never ends."""
     while True:
         time.sleep(0.01)
 
 
 RING_HANG = ("Every send needs a matching receive: on a ring, post the receive (dist.irecv) before "
              "waiting on the send, or use dist.batch_isend_irecv for each step")
-#: What each check's hang verdict says every rank must do (or, 7.2, what to look for).
+#: What each check's hang verdict says every rank must do (or, 7.2 and 7.3, what to look for).
 HANG_HINTS = {
     "1.1": "Every rank must call all_reduce on the same parameters, in the same order.",
     "2.1": RING_HANG,
@@ -274,6 +275,7 @@ HANG_HINTS = {
     "7.1": "every rank must make the same one all-reduce in every call, even a rank whose "
            "shards are only padding",
     "7.2": "A loop that never ends?",
+    "7.3": "A loop that never ends?",
     "8.1": "every rank of node_group must make the same reduce-scatter and all-gather, every "
            "rank of cross_group the same all-reduce",
     "8.2": "every rank must make the same one all-reduce in every call, even a rank that holds "

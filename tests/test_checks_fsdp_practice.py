@@ -1,6 +1,7 @@
-"""The checks of chapter 7's exercises, 7.1 (clipping across FSDP's shards, on real ranks) and
-7.2 (the pieces of a saved checkpoint that make a new shard, in one rank), pass right
-answers and fail each typical wrong answer with its reason.
+"""The checks of chapter 7's exercises, 7.1 (clipping across FSDP's shards, on real ranks),
+7.2 (the pieces of a saved checkpoint that make a new shard, in one rank) and 7.3 (FSDP's
+prefetch decision, on two ranks and in a real FSDP), pass right answers and fail each
+typical wrong answer with its reason.
 
 As in test_checks_zero.py: first the reference solutions, then other right answers, then one
 configurable learner function per exercise whose keyword switches (bound with
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from labs.checks import check_clip_shards_, check_shard_pieces
+from labs.checks import check_clip_shards_, check_shard_pieces, check_units_to_prefetch
 from labs.checks.collectives import CollectiveUsedError
 from labs.checks.fsdp_practice import _refusals
 from labs.checks.fsdp_practice_cases import (
@@ -495,3 +496,79 @@ def test_the_all_gather_refusal_names_the_exercise_and_is_restored():
             group.allgather(None, [[torch.zeros(1)]], [torch.zeros(1)])
         raise KeyError("the learner's code raised")
     assert [getattr(group, name) for name in names] == before
+
+
+# --- 7.3: the prefetch decision ------------------------------------------------------------------
+
+
+def learner_prefetch(order, current, prefetch, *, include_current=False, extra=0,
+                     by_name=False, wrap=False, ignore_zero=False, guard=True):
+    """units_to_prefetch, with one switch per typical mistake."""
+    if by_name:  # the units by name: their registration order in the check's cases
+        order = sorted(order)
+    if guard and current not in order:  # the first step: nothing recorded
+        return []
+    if ignore_zero:
+        prefetch = max(prefetch, 1)
+    start = order.index(current) + (0 if include_current else 1)
+    if wrap:  # past the end, around to the start of the pass
+        return [order[(start + j) % len(order)] for j in range(prefetch + extra)]
+    return order[start:start + prefetch + extra]
+
+
+def test_the_learner_prefetch_passes_with_no_mistake_switched_on():
+    result = check_units_to_prefetch(learner_prefetch)
+    assert result.passed, result.message
+    assert str(result).startswith("PASS: Exercise 7.3 units_to_prefetch: on 12 calls")
+
+
+SHUFFLED = "order ['2', '0', '1', '3'] (a forward, registered 0, 1, 2, 3), current '2', prefetch 1"
+
+
+@pytest.mark.parametrize(
+    ("answer", "reasons"),
+    [
+        (partial(learner_prefetch, include_current=True),
+         ["rank 0, order ['0', '1', '2', '3'], current '0', prefetch 1: returned ['0'], expected "
+          "['1']: the list holds '0' itself, which is computing already"]),
+        (partial(learner_prefetch, extra=1),
+         ["rank 0, order ['0', '1', '2', '3'], current '0', prefetch 1: returned ['1', '2'], "
+          "expected ['1']: 2 unit(s), one too many"]),
+        (partial(learner_prefetch, by_name=True),
+         [f"rank 0, {SHUFFLED}: returned ['3'], expected ['0']: those follow current in "
+          "registration (name) order"]),
+        (partial(learner_prefetch, wrap=True),
+         ["rank 0, order ['0', '1', '2', '3'], current '2', prefetch 3: returned ['3', '0', "
+          "'1'], expected ['3']: a unit that ran before current is in the list"]),
+        (partial(learner_prefetch, ignore_zero=True),
+         ["rank 0, order ['0', '1', '2', '3'], current '1', prefetch 0: returned ['2'], "
+          "expected []: prefetch 0 means no prefetching at all: return []."]),
+        (partial(learner_prefetch, guard=False),
+         ["rank 0, order [] (the first step: nothing recorded), current '0', prefetch 1: "
+          "units_to_prefetch raised ValueError.", "is not in list"]),
+        (lambda order, current, prefetch: None,
+         ["returned None; return a list of the units' names (str), taken from order."]),
+    ],
+)
+def test_wrong_units_to_prefetch_fails_with_a_reason(answer, reasons, assert_fails):
+    assert_fails(check_units_to_prefetch(answer), "7.3", *reasons)
+
+
+def prefetch_only_on_the_table(order, current, prefetch, *, calls=[]):  # noqa: B006
+    """Right on the check's table; inside FSDP (after the table's calls) one unit too many."""
+    calls.append(1)
+    return learner_prefetch(order, current, prefetch, extra=int(len(calls) > 12))
+
+
+def test_the_real_run_catches_a_policy_that_behaves_otherwise_in_fsdp(assert_fails):
+    assert_fails(check_units_to_prefetch(prefetch_only_on_the_table), "7.3",
+                 "in a real run (FSDP(ShuffledNet()) on 2 ranks, labs' ring, prefetch=1",
+                 "step 2", "with your policy FSDP did")
+
+
+@pytest.mark.slow  # the documented cases run above; the seed adds three drawn calls
+def test_a_seed_draws_three_more_prefetch_calls(capsys):
+    result = check_units_to_prefetch(learner_prefetch, seed=1)
+    assert result.passed, result.message
+    assert "[seed 1 drew order [" in result.message
+    assert str(check_units_to_prefetch(learner_prefetch, seed=1)) == str(result)

@@ -393,6 +393,7 @@ MUTATIONS = {
     "6.5": ("(grad_out.T @ x)", "(x.T @ grad_out)"),
     "7.1": ("total = squares[0].sqrt()", "total = squares[0]"),
     "7.2": ("end = min(stop, (saved_rank + 1) * k_old)", "end = (saved_rank + 1) * k_old"),
+    "7.3": ("after = order.index(current) + 1", "after = order.index(current)"),
     "8.1": ("ring_all_reduce(shard, group=cross_group)", "pass  # forgot the other nodes"),
     "8.2": ("return out + b2", "return out"),
 }

@@ -99,6 +99,7 @@ def test_cli_refuses_bad_settings_with_a_message():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # make test runs the lab under torchrun in the two-node test below
 def test_same_lab_runs_under_torchrun():
     """torchrun's env:// rendezvous on a free port (--standalone), two processes."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -15,6 +15,12 @@ chapter's 8-block transformer with and without every block checkpointed
 (labs.experiments.activations.measure_checkpointing), and the bytes one FSDP step all-gathers and
 reduce-scatters in fp32, in bf16 with an fp32 reduction, and in bf16 throughout
 (labs.experiments.precision, ring collectives, every byte counted).
+
+Chapter 7's prefetch rows (labs.experiments.fsdp_overlap): the chapter's 4 units of 4 MiB on
+2 ranks over its slow link (2 ms, 125 MB/s), every collective on labs' ring on one
+communication stream; for prefetch 0, 1, 2 with reshard_after_forward on and off, the median
+step (the slower rank's), the model's step, their ratio, the exposed communication and rank
+0's peak. Target: prefetch 1 at least 1.3x as fast as prefetch 0, the model within 15 %.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import argparse
 from typing import Any
 
 from labs.experiments.activations import CHAPTER_MODEL, measure_checkpointing
+from labs.experiments import fsdp_overlap
 from labs.experiments.ddp import Case, Optimizer, StepSettings, measure_step_times
 from labs.experiments.precision import Precision, mixed_on_ranks
 from labs.experiments.zero import Group, memory_worker
 from labs.launcher import launch
 from labs.tables import format_table
 from labs.viz.activations import checkpointing_table
+from labs.viz.fsdp_overlap import overlap_table
 from labs.wrappers import Wrapper
 
 
@@ -81,6 +89,7 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
           "steps, slowest rank)")
     print(format_table(["batch per rank", "DDP ms", "FSDP ms", "FSDP / DDP"], rows))
     practice(opts.memory_world_size)
+    prefetch_rows()
 
 
 def practice(world_size: int) -> None:
@@ -98,3 +107,19 @@ def practice(world_size: int) -> None:
              run.reduce_scatter_bytes[-1]] for p, run in runs.items()]
     print(f"\nbytes sent by rank 0 in one FSDP step at world size {world_size} (ring, counted)")
     print(format_table(["precision", "all-gather B", "vs fp32", "reduce-scatter B"], rows))
+
+
+def prefetch_rows() -> None:
+    """Chapter 7's prefetch and reshard settings on the link, measured beside the model."""
+    config = fsdp_overlap.OverlapSettings()
+    rows = fsdp_overlap.measure(config, [(k, keep) for keep in (True, False) for k in (0, 1, 2)])
+    print(f"\nFSDP's step on the link (alpha {config.link.alpha * 1e3:g} ms, "
+          f"{config.link.bandwidth / 1e6:g} MB/s; {config.units} units of "
+          f"{config.unit_bytes / 2**20:.1f} MiB, {config.tokens} rows per rank, "
+          f"{config.world_size} ranks, median of {config.steps} steps)")
+    print(overlap_table(rows))
+    by = {(r.prefetch, r.reshard): r for r in rows}
+    speedup = by[0, True].measured / by[1, True].measured
+    worst = max(abs(r.ratio - 1) for r in rows)
+    print(f"prefetch 1 vs 0 (reshard on): {speedup:.2f}x (target >= 1.3); the model within "
+          f"{worst:.0%} of every setting (target 15 %)")

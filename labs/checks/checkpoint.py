@@ -17,10 +17,8 @@ The cases and references are in :mod:`labs.checks.fsdp_practice_cases`, beside 7
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import operator
-import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -32,6 +30,7 @@ from labs.checks.core import (
     CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
+    Stopped,
     answer_key_refusal,
     clean_traceback,
     failing_rank,
@@ -39,6 +38,7 @@ from labs.checks.core import (
     report,
     result_types,
     signature_problem,
+    stop_thread,
     validate_check_call,
 )
 from labs.checks.fsdp_practice_cases import (
@@ -51,11 +51,6 @@ from labs.checks.fsdp_practice_cases import (
 from labs.launcher import LaunchTimeout, RankError, launch
 
 # --- 7.2, calling the learner's function (in the check's one rank) ----------------------------
-
-
-class _Stopped(BaseException):
-    """Raised inside the thread running the learner's calls when their time is up (a
-    BaseException, so that the learner's ``except Exception`` does not swallow it)."""
 
 
 def _as_pieces(value: object) -> list[Piece] | str:
@@ -95,19 +90,6 @@ def _calls(plan: PiecesPlan) -> list[tuple[PiecesCase, int]]:
     return [(case, rank) for case in plan.cases for rank in range(case.world_size)]
 
 
-def _stop(thread: threading.Thread) -> str:
-    """Where ``thread`` is, in the learner's code (a ``File ..., line ...`` line, or ''), then
-    stop it: raise :class:`_Stopped` in it at its next bytecode (a call blocked inside C code
-    is not stopped; the thread is a daemon and ends with the process)."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    frames = [f for f in traceback.extract_stack(frame) if __file__ != f.filename] if frame else []
-    where = (clean_traceback(f'  File "{frames[-1].filename}", line {frames[-1].lineno}, in '
-                             f"{frames[-1].name}", __file__).strip() if frames else "")
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0),
-                                               ctypes.py_object(_Stopped))
-    return where
-
-
 def _run_pieces(fn: Callable[..., Any], plan: PiecesPlan, timeout: float) -> tuple[_PiecesRun,
                                                                                    str]:
     """Makes every call of the plan in a thread of this process, for at most ``timeout``
@@ -121,7 +103,7 @@ def _run_pieces(fn: Callable[..., Any], plan: PiecesPlan, timeout: float) -> tup
                 run.returned.append(_as_pieces(
                     fn(case.numel, case.saved_world_size, case.world_size, rank)))
             run.finished = True
-        except _Stopped:
+        except Stopped:
             pass
         except BaseException as exc:  # the learner's error, whatever it is, is the verdict
             run.error_type = type(exc).__name__
@@ -132,7 +114,7 @@ def _run_pieces(fn: Callable[..., Any], plan: PiecesPlan, timeout: float) -> tup
     thread.join(timeout)
     where = ""
     if thread.is_alive():
-        where = _stop(thread)
+        where = stop_thread(thread)
         thread.join(1.0)
     return run, where
 

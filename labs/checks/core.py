@@ -13,6 +13,7 @@ the explanations of an error or a hang.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import enum
 import hashlib
@@ -22,6 +23,8 @@ import os
 import random
 import re
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -256,6 +259,27 @@ def clean_traceback(text: str, check_module: str) -> str:
         if keep and not line.startswith(CASE_NOTE):
             lines.append(line)
     return _named_cells("\n".join(lines))
+
+
+class Stopped(BaseException):
+    """Raised inside a thread running the learner's calls when their time is up (a
+    BaseException, so that the learner's ``except Exception`` does not swallow it)."""
+
+
+def stop_thread(thread: threading.Thread) -> str:
+    """Where ``thread`` is in the learner's code (a ``File ..., line ...`` line, or ''; frames
+    of the checks package skipped), then stop it: raise :class:`Stopped` in it at its next
+    bytecode (a call blocked inside C code is not stopped; make it a daemon, to end with the
+    process). Exercises 7.2 and 7.3 call pure functions in a thread of one rank this way."""
+    folder = os.path.dirname(__file__) + os.sep
+    frame = sys._current_frames().get(thread.ident or -1)
+    frames = [f for f in traceback.extract_stack(frame)
+              if not f.filename.startswith(folder)] if frame else []
+    where = (clean_traceback(f'  File "{frames[-1].filename}", line {frames[-1].lineno}, in '
+                             f"{frames[-1].name}", __file__).strip() if frames else "")
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0),
+                                               ctypes.py_object(Stopped))
+    return where
 
 
 @contextlib.contextmanager

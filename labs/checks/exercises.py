@@ -207,6 +207,12 @@ EXERCISES: tuple[ExerciseSpec, ...] = (
         ("labs.checkpoint.shard_pieces",),
         "labs.checks.fsdp_practice_cases.PiecesPlan"),
     ExerciseSpec(
+        "7.3", "07_fsdp_in_practice", "units_to_prefetch", "units_to_prefetch",
+        ("order", "current", "prefetch"),
+        "check_units_to_prefetch", "labs.checks.prefetch",
+        ("labs.fsdp.units_to_prefetch",),
+        "labs.checks.fsdp_practice_cases.PrefetchPlan"),
+    ExerciseSpec(
         "8.1", "08_beyond_one_node", "hierarchical_all_reduce_", "hierarchical_all_reduce_",
         ("tensor", "node_group", "cross_group"),
         "check_hierarchical_all_reduce_", "labs.checks.topology",

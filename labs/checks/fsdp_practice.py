@@ -1,6 +1,6 @@
 """Exercise 7.1's check, ``check_clip_shards_(clip_shards_)``: clipping a gradient held as
-FSDP's shards, on real ranks. (Chapter 7's other exercise, 7.2, is checked in
-:mod:`labs.checks.checkpoint`.)
+FSDP's shards, on real ranks. (Chapter 7's other exercises: 7.2 is checked in
+:mod:`labs.checks.checkpoint`, 7.3 in :mod:`labs.checks.prefetch`.)
 
 ``clip_shards_(grads, max_norm)``: ``grads`` is this rank's list of 1-D gradient shards, one
 per FSDP unit (rank r holds elements ``[r*k, (r+1)*k)`` of each unit's zero-padded flat
@@ -369,3 +369,4 @@ def check_clip_shards_(
                 "a few numbers, or sent anything else."),
         problem=signature_problem(exercise.function, exercise.parameters, clip_shards_),
     )
+

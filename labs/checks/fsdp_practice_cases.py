@@ -15,6 +15,10 @@ holds elements ``[r*k, (r+1)*k)``.
   ``k_old`` elements is loaded on ``world_size`` ranks of ``k_new``. The reference maps every
   element of the new shard to the saved shard and offset that hold it, one by one, and
   merges the runs: it shares no code with :mod:`labs.checkpoint`, the chapter's own answer.
+* 7.3 (the prefetch decision): the names of the units to all-gather ahead when a unit starts
+  computing, from the order its pass recorded in the last step. The reference is
+  :func:`labs.fsdp.units_to_prefetch`, the code labs' FSDP runs; a real run trains
+  :class:`ShuffledNet`, whose units run in another order than they were registered in.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import nn
 from labs.checks.core import CheckPlan, case_values, listed, with_drawn_world_size
 from labs.checks.exercises import spec
 from labs.checks.zero_cases import pad_flat, shard_of
+from labs.fsdp import units_to_prefetch
 from labs.models import TiedNet
 
 #: ``(saved_rank, start, stop)``: elements ``[start, stop)`` of saved rank ``saved_rank``'s shard.
@@ -55,6 +60,9 @@ class PracticeExercise(enum.Enum):
     #: ``shard_pieces(numel, saved_world_size, world_size, rank) -> [(saved_rank, start,
     #: stop), ...]``: where a new shard's elements lie in a checkpoint saved on another N.
     SHARD_PIECES = "7.2"
+    #: ``units_to_prefetch(order, current, prefetch) -> [name, ...]``: which units' all-gathers
+    #: FSDP starts when unit ``current`` starts computing.
+    PREFETCH = "7.3"
 
     @property
     def function(self) -> str:
@@ -258,3 +266,92 @@ def expected_pieces(case: PiecesCase, rank: int) -> list[Piece]:
         else:
             pieces.append([q, offset, offset + 1])
     return [(q, a, b) for q, a, b in pieces]
+
+
+# --- 7.3: the prefetch decision ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefetchCase:
+    """One call of 7.3: the recorded ``order`` of a pass, the unit starting, ``prefetch``."""
+
+    order: tuple[str, ...]
+    current: str
+    prefetch: int
+    what: str = ""
+    """What the order is, in words (e.g. a backward's, recorded), for the verdict."""
+
+    def describe(self) -> str:
+        what = f" ({self.what})" if self.what else ""
+        return (f"order {list(self.order)}{what}, current {self.current!r}, prefetch "
+                f"{self.prefetch}")
+
+    @property
+    def expected(self) -> list[str]:
+        """labs' answer: what its FSDP prefetches (:func:`labs.fsdp.units_to_prefetch`)."""
+        return units_to_prefetch(list(self.order), self.current, self.prefetch)
+
+
+_FOUR = ("0", "1", "2", "3")
+#: A forward that runs units "2", "0", "1", "3" (registered 0, 1, 2, 3), and its backward.
+_SHUFFLED, _SHUFFLED_BACK = ("2", "0", "1", "3"), ("3", "1", "0", "2")
+
+#: 7.3's documented cases: the start, the middle and the end of an order (fewer than k units
+#: left, none after the last), k = 0, nothing recorded yet (the first step), a unit that did
+#: not run last step, orders that differ from registration order, forward's and backward's,
+#: and a backward that is not forward reversed (unit "0" runs twice: forward records "0", "1";
+#: its second call's backward comes first).
+PREFETCH_CASES = (
+    PrefetchCase(_FOUR, "0", 1), PrefetchCase(_FOUR, "1", 2), PrefetchCase(_FOUR, "2", 3),
+    PrefetchCase(_FOUR, "3", 1), PrefetchCase(_FOUR, "1", 0),
+    PrefetchCase((), "0", 1, "the first step: nothing recorded"),
+    PrefetchCase(("0", "1"), "2", 1, "unit '2' did not run last step"),
+    PrefetchCase(_SHUFFLED, "2", 1, "a forward, registered 0, 1, 2, 3"),
+    PrefetchCase(_SHUFFLED, "1", 2, "a forward, registered 0, 1, 2, 3"),
+    PrefetchCase(_SHUFFLED_BACK, "1", 2, "its backward"),
+    PrefetchCase(("0", "1"), "0", 1, "the backward of a forward that runs 0, 1, 0"),
+    PrefetchCase(("root", "embed", "blocks.0", "blocks.1", "head"), "root", 2,
+                 "the root unit runs first"),
+)
+
+
+@dataclass(frozen=True)
+class PrefetchPlan(CheckPlan):
+    """What one check of 7.3 runs: the calls (its real run, on 2 ranks, is the same for every
+    seed)."""
+
+    drawn: tuple[PrefetchCase, ...]
+
+    @classmethod
+    def make(cls, seed: int) -> PrefetchPlan:
+        if seed == 0:
+            return cls(seed, (), None, ())
+        rng = random.Random(seed)
+        drawn = []
+        for _ in range(3):
+            order = [str(i) for i in range(rng.randint(2, 8))]
+            rng.shuffle(order)
+            current = rng.choice([*order, str(len(order))])  # sometimes a unit not in it
+            drawn.append(PrefetchCase(tuple(order), current, rng.randint(1, 4)))
+        return cls(seed, (), None, tuple(drawn))
+
+    @property
+    def cases(self) -> tuple[PrefetchCase, ...]:
+        return (*PREFETCH_CASES, *self.drawn)
+
+    def draws(self) -> list[str]:
+        return [case.describe() for case in self.drawn]
+
+
+class ShuffledNet(nn.Module):
+    """7.3's real run: three linear layers registered ``a``, ``b``, ``c`` (three FSDP units)
+    whose forward runs ``c``, ``a``, ``b``: prefetching must follow the recorded order, not
+    the registration order."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(torch.tanh(self.c(x)))))
