@@ -170,6 +170,44 @@ def test_the_sandbox_reads_the_environment_writes_its_scratch_and_reaches_only_i
     assert seen["processes"] == [1]  # a process table of its own: it is pid 1, alone
 
 
+_KERNEL_PACKAGES = r"""
+import json, pathlib, sys
+seen = {}
+import wheelhouse_probe  # installed with --target into a folder on PYTHONPATH
+seen["probe"] = wheelhouse_probe.VALUE
+try:
+    pathlib.Path(sys.argv[1]).read_text()
+    seen["checkout"] = "read"
+except OSError as err:
+    seen["checkout"] = type(err).__name__
+print(json.dumps(seen))
+"""
+
+
+def test_the_sandbox_reads_packages_installed_beside_the_interpreter(
+        sandbox, tmp_path, monkeypatch) -> None:
+    # make test-gpu installs the kernel's packages (ipykernel, nbval, ...) with pip --target
+    # into a folder on PYTHONPATH; a learner's kernel started there once died in the sandbox,
+    # which bound only Python's prefixes. A checkout on the path holds no distribution and
+    # stays out (its reference notebooks hold the solutions).
+    site, checkout, scratch = tmp_path / "site", tmp_path / "checkout", tmp_path / "scratch"
+    for folder in (site / "wheelhouse_probe-1.0.dist-info", checkout, scratch):
+        folder.mkdir(parents=True)
+    (site / "wheelhouse_probe.py").write_text("VALUE = 41\n")
+    (site / "wheelhouse_probe-1.0.dist-info" / "METADATA").write_text("Name: wheelhouse-probe\n")
+    (checkout / "reference.ipynb").write_text("{}")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(checkout))
+    assert site in isolation.site_folders() and checkout not in isolation.site_folders()
+    command = isolated([sys.executable, "-c", _KERNEL_PACKAGES, str(checkout / "reference.ipynb")],
+                       scratch=scratch)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), str(site)])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"probe": 41, "checkout": "FileNotFoundError"}
+
+
 _NO_PRIVILEGE = r"""
 import ctypes, json, os, pathlib
 libc = ctypes.CDLL(None, use_errno=True)

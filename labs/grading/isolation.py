@@ -136,15 +136,30 @@ def isolation_problem() -> str:
 
 
 def readable_paths() -> list[Path]:
-    """What a sandbox may read: the system's paths, Python's prefixes and the labs package
-    (an editable install keeps it outside site-packages), each where it exists."""
+    """What a sandbox may read: the system's paths, Python's prefixes, the labs package (an
+    editable install keeps it outside site-packages) and every folder on the path that holds
+    installed distributions (``pip install --target DIR`` with ``DIR`` on ``PYTHONPATH``, as
+    ``make test-gpu`` installs the kernel's packages beside a box's own torch), each where it
+    exists. A folder on the path that holds no distribution (a checkout on ``PYTHONPATH``,
+    with its reference notebooks) is not bound."""
     import labs  # noqa: PLC0415 - the package this module belongs to, located at run time
 
     paths = [Path(p) for p in SYSTEM_PATHS]
     paths += [Path(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}]
     paths.append(Path(labs.__file__).resolve().parent)
     paths.append(Path(sys.executable).resolve().parent)
+    paths += site_folders()
     return _outermost(p for p in paths if p.exists())
+
+
+def site_folders() -> list[Path]:
+    """The folders on ``sys.path`` that hold installed distributions (a ``*.dist-info``)."""
+    found = []
+    for entry in sys.path:
+        folder = Path(entry or os.curdir).resolve()
+        if folder.is_dir() and next(folder.glob("*.dist-info"), None) is not None:
+            found.append(folder)
+    return found
 
 
 def _outermost(paths: object) -> list[Path]:
