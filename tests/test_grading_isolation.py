@@ -208,6 +208,22 @@ def test_the_sandbox_reads_packages_installed_beside_the_interpreter(
     assert json.loads(done.stdout) == {"probe": 41, "checkout": "FileNotFoundError"}
 
 
+def test_a_package_folder_closed_to_the_sandbox_user_is_named_before_anything_runs(
+        sandbox, tmp_path, monkeypatch) -> None:
+    # mktemp -d makes a 0700 folder; make test-gpu once installed the kernel's packages into
+    # one, and every sandboxed kernel, run as nobody, died before it replied
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox keeps the grader's user when the grader is not root")
+    site = tmp_path / "closed-site"
+    (site / "probe-1.0.dist-info").mkdir(parents=True)
+    site.chmod(0o700)
+    monkeypatch.syspath_prepend(str(site))
+    problem = isolation_problem()
+    assert str(site) in problem and "chmod a+rX" in problem and "nobody" in problem
+    site.chmod(0o755)
+    assert isolation_problem() == ""
+
+
 _NO_PRIVILEGE = r"""
 import ctypes, json, os, pathlib
 libc = ctypes.CDLL(None, use_errno=True)

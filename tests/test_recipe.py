@@ -14,9 +14,11 @@ from labs.experiments.recipe import (
     budget_error,
     budget_table,
     build,
+    memory_budget,
     peak_budget,
     peak_moment,
     recipe_worker,
+    recomputed_block_bytes,
     unit_sizes,
 )
 from tests.parity import launch
@@ -66,6 +68,10 @@ def test_the_peak_budget_names_what_each_setting_holds():
     assert peak_moment(on, 2) == 1  # the first reduce-scatter in flight, the rest unlanded
     off = dataclasses.replace(on, activation_checkpointing=False)
     assert "recomputed block" not in {r.name for r in peak_budget(off, 2)}
+    # the calculator's rows (memory_budget) carry the same recomputed block
+    large = {r.name: r.model_bytes for r in memory_budget(on, 2)}
+    assert large["recomputed block"] == names["recomputed block"] == recomputed_block_bytes(on)
+    assert "recomputed block" not in {r.name for r in memory_budget(off, 2)}
     assert peak_moment(off, 2) == 0  # the start of backward: every block's activations
     one = dataclasses.replace(on, accumulation=1)
     assert peak_moment(one, 2) == on.n_layers - 2  # landed shards outgrow the freed inputs

@@ -8,6 +8,7 @@
 # A box without the Jupyter packages takes them from _build/wheelhouse (`make gpu-wheelhouse`
 # here, carried there): they are installed into a folder of their own, never over the box's.
 #   SUITE_SECONDS (default 300), NBVAL_SECONDS (default 300): each stage's wall-clock limit
+#   SUITE_PATHS (default tests), NBVAL_PATHS (default notebooks): what those stages run
 set -u
 out=${1:-_build/gpu}
 mkdir -p "$out"
@@ -15,6 +16,7 @@ py=${PYTHON:-python3}
 site=
 if ls _build/wheelhouse/*.whl >/dev/null 2>&1; then
   site=$(mktemp -d /tmp/labs-gpu-site.XXXX)
+  chmod 755 "$site"   # the grader's sandbox runs kernels as nobody: mktemp -d makes it 0700
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     _build/wheelhouse/*.whl || { echo "gpu_check: the wheelhouse did not install"; exit 1; }
 fi
@@ -33,11 +35,11 @@ timeout 200 "$py" -m pytest tests/test_gpu.py "${common[@]}" --junitxml="$out/gp
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
 ignore=()
 [ -d _build/html ] || ignore+=(--ignore=tests/test_book_html.py)   # the rendered book's tests
-timeout "${SUITE_SECONDS:-300}" "$py" -m pytest tests "${common[@]}" -n "$workers" --dist worksteal \
+timeout "${SUITE_SECONDS:-300}" "$py" -m pytest ${SUITE_PATHS:-tests} "${common[@]}" -n "$workers" --dist worksteal \
   -m "not slow and not browser and not gpu" --continue-on-collection-errors "${ignore[@]}" \
   --junitxml="$out/suite.xml" 2>&1 | tee "$out/suite.log" | tail -150
 if "$py" -c "import nbval, ipykernel, ipywidgets, myst_nb" 2>/dev/null; then
-  timeout "${NBVAL_SECONDS:-300}" "$py" -m pytest --nbval-lax notebooks "${common[@]}" -n "$workers" \
+  timeout "${NBVAL_SECONDS:-300}" "$py" -m pytest --nbval-lax ${NBVAL_PATHS:-notebooks} "${common[@]}" -n "$workers" \
     --dist loadscope --junitxml="$out/nbval.xml" 2>&1 | tee "$out/nbval.log" | tail -80
 else
   echo "gpu_check: nbval skipped: no nbval/ipykernel/ipywidgets/myst_nb here (make gpu-wheelhouse, carry _build/wheelhouse)" | tee "$out/nbval.log"

@@ -21,6 +21,9 @@ Chapter 7's prefetch rows (labs.experiments.fsdp_overlap): the chapter's 4 units
 communication stream; for prefetch 0, 1, 2 with reshard_after_forward on and off, the median
 step (the slower rank's), the model's step, their ratio, the exposed communication and rank
 0's peak. Target: prefetch 1 at least 1.3x as fast as prefetch 0, the model within 15 %.
+Then FSDP (prefetch 1) beside DDP (a bucket per block) at 31.25, 250 and 1000 MB/s with both
+models and their crossover (labs.experiments.fsdp_frontier), and labs' FSDP beside
+fully_shard on gloo's own transport (labs.experiments.fully_shard_timing).
 """
 
 from __future__ import annotations
@@ -28,15 +31,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from labs.experiments import fsdp_frontier, fsdp_overlap, fully_shard_timing
 from labs.experiments.activations import CHAPTER_MODEL, measure_checkpointing
-from labs.experiments import fsdp_overlap
 from labs.experiments.ddp import Case, Optimizer, StepSettings, measure_step_times
 from labs.experiments.precision import Precision, mixed_on_ranks
 from labs.experiments.zero import Group, memory_worker
 from labs.launcher import launch
 from labs.tables import format_table
 from labs.viz.activations import checkpointing_table
-from labs.viz.fsdp_overlap import overlap_table
+from labs.viz.fsdp_overlap import frontier_table, overlap_table, transport_table
 from labs.wrappers import Wrapper
 
 
@@ -90,6 +93,8 @@ def fsdp_main(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     print(format_table(["batch per rank", "DDP ms", "FSDP ms", "FSDP / DDP"], rows))
     practice(opts.memory_world_size)
     prefetch_rows()
+    frontier_rows()
+    transport_rows()
 
 
 def practice(world_size: int) -> None:
@@ -123,3 +128,27 @@ def prefetch_rows() -> None:
     worst = max(abs(r.ratio - 1) for r in rows)
     print(f"prefetch 1 vs 0 (reshard on): {speedup:.2f}x (target >= 1.3); the model within "
           f"{worst:.0%} of every setting (target 15 %)")
+
+
+def frontier_rows() -> None:
+    """FSDP (prefetch 1) beside DDP (a bucket per block) at the link's three bandwidths."""
+    config = fsdp_frontier.FRONTIER
+    points = fsdp_frontier.measure_frontier(config)
+    print(f"\nFSDP beside DDP as the link gets faster (alpha {config.link.alpha * 1e3:g} ms; "
+          f"{config.units} blocks, {config.tokens} rows per rank, {config.world_size} ranks, "
+          f"median of {config.steps} steps)")
+    print(frontier_table(points))
+    curve = fsdp_frontier.curves(points[len(points) // 2])
+    extra = [f"{(p.fsdp_exposed - p.ddp_exposed) * 1e3:.0f}" for p in points]
+    print(f"the models' crossover (from the middle point's compute): "
+          f"{fsdp_frontier.crossover(curve) / 1e6:.0f} MB/s; FSDP's extra wait, ms: "
+          f"{', '.join(extra)}")
+
+
+def transport_rows() -> None:
+    """labs' FSDP beside fully_shard on gloo's own transport (no link)."""
+    config = fully_shard_timing.TRANSPORT
+    print(f"\nlabs' FSDP beside fully_shard on gloo's transport ({config.units} blocks, "
+          f"{config.tokens} rows per rank, {config.world_size} ranks, median of "
+          f"{config.steps} steps)")
+    print(transport_table(fully_shard_timing.measure_transport(config)))

@@ -273,7 +273,8 @@ def memory_budget(config: RecipeConfig, world_size: int, vocab: int | None = Non
     the start of backward: every activation of the micro-batch, and the last block gathered
     for its backward. With checkpointing, the activations are the blocks' inputs, and the
     peak moves into backward: two blocks gathered (one computing, one prefetched) and one
-    block's full gradient in the compute dtype, about to be reduce-scattered."""
+    block's full gradient in the compute dtype, about to be reduce-scattered, and the block
+    being recomputed for its backward, whose activations are alive again."""
     vocab = vocab or len(set(TEXT))  # the recipe's characters; the calculator takes any
     padded_units = [shard_numel(n, world_size) * world_size
                     for n in unit_sizes(config, vocab)]
@@ -297,10 +298,24 @@ def memory_budget(config: RecipeConfig, world_size: int, vocab: int | None = Non
     if config.activation_checkpointing:
         rows.append(BudgetRow("communication buffers", 3 * element * block,
                               "two blocks gathered, one block's full gradient"))
+        rows.append(BudgetRow("recomputed block", recomputed_block_bytes(config, vocab),
+                              "one block's activations: BT(16D + HT + 4)e + T^2"))
     else:
         rows.append(BudgetRow("communication buffers", element * block,
                               "the last block gathered for its backward"))
     return rows
+
+
+def recomputed_block_bytes(config: RecipeConfig, vocab: int | None = None) -> int:
+    """One block's activations, alive again while checkpointing recomputes it for its
+    backward: B T (16 D + H T + 4) e + T^2 (:func:`labs.activations.activation_bytes` of one
+    block less what checkpointing keeps of it, its input)."""
+    vocab = vocab or len(set(TEXT))
+    e = torch.finfo(config.compute_dtype or torch.float32).bits // 8
+    shape = (config.batch_size, config.seq_len, config.d_model, config.n_heads)
+    whole = activation_bytes(*shape, 1, vocab, element_size=e)
+    inputs_only = activation_bytes(*shape, 1, vocab, element_size=e, checkpointing=True)
+    return whole - inputs_only + config.batch_size * config.seq_len * config.d_model * e
 
 
 def peak_budget(config: RecipeConfig, world_size: int, vocab: int | None = None
@@ -357,10 +372,8 @@ def backward_moments(config: RecipeConfig, world_size: int, vocab: int | None = 
     e = torch.finfo(config.compute_dtype or torch.float32).bits // 8
     shape = (config.batch_size, config.seq_len, config.d_model, config.n_heads)
     ckpt = config.activation_checkpointing
-    whole = activation_bytes(*shape, 1, vocab, element_size=e)
-    inputs_only = activation_bytes(*shape, 1, vocab, element_size=e, checkpointing=True)
     block_input = config.batch_size * config.seq_len * config.d_model * e
-    one_block = whole - inputs_only + block_input  # B T (16 D + H T + 4) e + T^2
+    one_block = recomputed_block_bytes(config, vocab)  # B T (16 D + H T + 4) e + T^2
     saved = activation_bytes(*shape, config.n_layers, vocab, element_size=e,
                              checkpointing=ckpt)
     kept = block_input if ckpt else one_block  # what each block holds until its backward

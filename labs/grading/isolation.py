@@ -44,6 +44,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -121,6 +122,11 @@ def isolation_problem() -> str:
     sandbox running ``python -c pass``)."""
     if not sys.platform.startswith("linux"):
         return f"a sandbox needs Linux namespaces; this is {sys.platform}"
+    closed = closed_to_the_sandbox_user()
+    if closed:
+        return (f"the sandbox runs a learner's code as nobody (uid {SANDBOX_UID}), who cannot "
+                f"read {', '.join(map(str, closed))}, where the kernel's packages are; make "
+                f"it readable to everyone (chmod a+rX {closed[0]})")
     probe = isolated([sys.executable, "-c", "pass"], scratch=Path("/"), probe=True)
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
@@ -133,6 +139,18 @@ def isolation_problem() -> str:
                 "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu)")
         return f"a sandbox could not be started: {why}{hint}"
     return ""
+
+
+def closed_to_the_sandbox_user() -> list[Path]:
+    """The folders of :func:`readable_paths` that the sandbox's user cannot enter: with a
+    root grader that user is nobody, for whom a folder needs read and execute for others
+    (``mktemp -d`` makes one with mode 0700). Empty when the grader is not root: the sandbox
+    then keeps the grader's own user."""
+    if os.geteuid() != 0:
+        return []
+    others = stat.S_IROTH | stat.S_IXOTH
+    return [p for p in readable_paths()
+            if p.is_dir() and (p.stat().st_mode & others) != others]
 
 
 def readable_paths() -> list[Path]:

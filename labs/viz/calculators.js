@@ -196,6 +196,10 @@
         ["communication buffers", (ckpt ? 3 : 1) * e * pad(block),
          ckpt ? config.how.buffers_ckpt : config.how.buffers]
       ];
+      if (ckpt) {  // the block being recomputed for its backward: its activations again
+        rows.push(["recomputed block", b * t * (16 * d + h * t + 4) * e + t * t,
+                   config.how.recomputed]);
+      }
       var total = rows.reduce(function (s, r) { return s + r[1]; }, 0);
       var params = l * block + rootUnit;
       var summary = el("p", {"class": "labs-calc-summary"});

@@ -26,7 +26,7 @@ from labs.wrappers import ZERO_STAGES
 SCRIPT = Path(__file__).with_name("calculators.js")
 #: Parameters, gradients, optimizer: the colours of labs.viz.zero's calculator figure.
 ZERO_COLOURS = ("#4c72b0", "#dd8452", "#55a868")
-BUDGET_COLOURS = ("#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b3")
+BUDGET_COLOURS = ("#4c72b0", "#55a868", "#dd8452", "#c44e52", "#8172b3", "#937860")
 #: What memory_budget's rows say, by case (its BudgetRow.how).
 BUDGET_HOW = {
     "parameters": "fp32 shards: 4 B x P/N",
@@ -37,6 +37,7 @@ BUDGET_HOW = {
     "activations_ckpt": "blocks' inputs, one micro-batch",
     "buffers": "the last block gathered for its backward",
     "buffers_ckpt": "two blocks gathered, one block's full gradient",
+    "recomputed": "one block's activations: BT(16D + HT + 4)e + T^2",
 }
 
 STYLE = """<style>

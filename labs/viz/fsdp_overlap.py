@@ -1,14 +1,18 @@
 """Chapter 7's FSDP step on the link: the settings' table and the step's timeline, measured
-lanes above the model's."""
+lanes above the model's; FSDP beside DDP as the link gets faster; labs' FSDP beside
+``fully_shard`` on gloo's transport."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from labs.experiments.fsdp_frontier import Curve, FrontierPoint
 from labs.experiments.fsdp_overlap import OverlapRow
+from labs.experiments.fully_shard_timing import ALONE, COMPUTE_ALONE, TransportRow
 from labs.fsdp_timeline import Activity
 from labs.tables import format_table
 
@@ -64,3 +68,85 @@ def plot_step_timelines(rows: Sequence[OverlapRow]) -> Figure:
                            "on each bar)")
     fig.tight_layout()
     return fig
+
+
+def frontier_table(points: Sequence[FrontierPoint]) -> str:
+    """Each link: FSDP's and DDP's step (median, range), each one's model, busy time and wait
+    for the wire, and FSDP's step over DDP's."""
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.0f}"
+
+    def step(values: Sequence[float]) -> str:
+        return f"{ms(statistics.median(values))} ({ms(min(values))}-{ms(max(values))})"
+
+    table = [[f"{p.link.bandwidth / 1e6:g}", step(p.fsdp_seconds), ms(p.fsdp_model()),
+              ms(p.fsdp_busy), ms(p.fsdp_exposed), step(p.ddp_seconds), ms(p.ddp_model()),
+              ms(p.ddp_busy), ms(p.ddp_exposed), f"{p.fsdp / p.ddp:.2f}"] for p in points]
+    return format_table(["MB/s", "FSDP ms", "model", "busy", "wait", "DDP ms", "model",
+                         "busy", "wait", "FSDP/DDP"], table)
+
+
+def plot_frontier(points: Sequence[FrontierPoint], curve: Curve, crossover: float) -> Figure:
+    """Left: step time against the link's bandwidth, both models (lines, from one point's
+    compute), both measured steps (markers, with their range) and each model with its
+    communication free (dotted). Right: FSDP's extra wait for the wire (its wait less DDP's),
+    modelled and measured, beside 10 % of DDP's modelled step. The models' crossover is the
+    vertical line on both."""
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bands = [b / 1e6 for b in curve.bandwidths]
+    x = [p.link.bandwidth / 1e6 for p in points]
+    for name, model, free, colour, measured in (
+            ("FSDP, prefetch 1", curve.fsdp, curve.fsdp_free, "tab:red",
+             [p.fsdp_seconds for p in points]),
+            ("DDP, a bucket per block", curve.ddp, curve.ddp_free, "tab:blue",
+             [p.ddp_seconds for p in points])):
+        ax.plot(bands, [m * 1e3 for m in model], color=colour, label=f"{name}: model")
+        ax.axhline(free * 1e3, color=colour, linestyle=":", linewidth=1,
+                   label=f"{name}: model, communication free")
+        y = [statistics.median(s) * 1e3 for s in measured]
+        err = [[m - min(s) * 1e3 for m, s in zip(y, measured, strict=True)],
+               [max(s) * 1e3 - m for m, s in zip(y, measured, strict=True)]]
+        ax.errorbar(x, y, yerr=err, fmt="o", color=colour, capsize=3,
+                    label=f"{name}: measured (median, range)")
+    extra = [((f - curve.fsdp_free) - (d - curve.ddp_free)) * 1e3
+             for f, d in zip(curve.fsdp, curve.ddp, strict=True)]
+    right.plot(bands, extra, color="tab:purple", label="model")
+    right.plot(bands, [0.1 * d * 1e3 for d in curve.ddp], color="0.5", linestyle="--",
+               linewidth=1, label="10 % of DDP's step (model)")
+    right.plot(x, [(p.fsdp_exposed - p.ddp_exposed) * 1e3 for p in points], "o",
+               color="tab:purple", label="measured")
+    right.axhline(0, color="black", linewidth=0.6)
+    for axis in (ax, right):
+        axis.set_xscale("log")
+        axis.set_xlabel(f"link bandwidth, MB/s (latency {points[0].link.alpha * 1e3:g} ms)")
+        if crossover != float("inf"):
+            axis.axvline(crossover / 1e6, color="0.4", linestyle="--", linewidth=1)
+    if crossover != float("inf"):
+        right.text(crossover / 1e6 * 1.08, max(extra) * 0.9,
+                   f"models' crossover\n{crossover / 1e6:.0f} MB/s", fontsize=8, va="top")
+    ax.set_ylabel("step, ms")
+    ax.set_title("the steps", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+    right.set_yscale("symlog", linthresh=10)
+    right.set_ylabel("FSDP's wait less DDP's, ms")
+    right.set_title("FSDP's extra wait for the wire", fontsize=10)
+    right.legend(fontsize=7, loc="upper right")
+    fig.suptitle("FSDP beside DDP as the link gets faster (2 ranks, the same 4 blocks)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def transport_table(rows: Sequence[TransportRow]) -> str:
+    """Each setting on gloo's transport: its step (median, range) and the same less compute
+    alone."""
+    alone = {r.name: r for r in rows}
+    compute = alone.get(COMPUTE_ALONE)
+    table = []
+    for r in rows:
+        extra = "" if compute is None or r.name in ALONE \
+            else f"{(r.median - compute.median) * 1e3:+.0f}"
+        table.append([r.name, f"{r.median * 1e3:.0f} ({min(r.seconds) * 1e3:.0f}-"
+                              f"{max(r.seconds) * 1e3:.0f})", extra])
+    return format_table(["on gloo's transport, 2 ranks", "step ms (range)",
+                         "ms beyond compute alone"], table)
