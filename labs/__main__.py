@@ -14,6 +14,8 @@
     python -m labs zero --world-size 4 --width 256 --layers 8
     python -m labs fsdp --world-size 4 --steps 20 --checkpoint run/ --dtype bf16
     python -m labs fsdp --world-size 2 --steps 30 --accumulation 4 --checkpoint run/ --resume
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m labs fsdp --steps 12 \\
+        --checkpoint run/ --checkpoint-every 4 --fail-at-step 10
     torchrun --standalone --nproc_per_node=8 -m labs zero --width 2048 --layers 16
 
 Across nodes, run the same command on every node with its own --node_rank; HOST is node 0's
@@ -146,15 +148,32 @@ def _fsdp(opts: argparse.Namespace, world_size: int) -> None:
         lr=opts.lr, seed=opts.seed, d_model=opts.d_model, n_layers=opts.layers,
         dtype=opts.dtype, activation_checkpointing=not opts.no_checkpointing,
         max_norm=opts.max_norm or None, checkpoint=opts.checkpoint,
-        checkpoint_every=opts.checkpoint_every, resume=opts.resume,
-        measure_memory=opts.memory)
+        checkpoint_every=opts.checkpoint_every, resume=opts.resume or _can_resume(opts),
+        measure_memory=opts.memory,
+        fail_at_step=None if _restarts() else opts.fail_at_step)  # a restart does not fail
     config.check(world_size)  # before any process starts
     results = _run(recipe_worker, world_size, (config,), opts.backend, timeout=opts.timeout)
     if results is None:
         return  # under torchrun, rank 0 prints
+    if _restarts():
+        print(f"torchrun restart {_restarts()}: resumed from the checkpoint of step "
+              f"{results[0].start_step}")
     print(loss_report(results[0]))
     if opts.memory:
         print(budget_table(results[0]))
+
+
+def _restarts() -> int:
+    """How many times torchrun has restarted this worker group (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if under_torchrun() \
+        else 0
+
+
+def _can_resume(opts: argparse.Namespace) -> bool:
+    """A restarted worker group resumes from the last complete checkpoint, if there is one
+    (a directory with its index)."""
+    return _restarts() > 0 and bool(opts.checkpoint) \
+        and (Path(opts.checkpoint) / "index.json").exists()
 
 
 #: --wrapper names -> Wrapper
@@ -260,6 +279,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="also save every this many steps (default: at the end only)")
     fsdp.add_argument("--resume", action="store_true",
                       help="continue from --checkpoint, on any number of ranks")
+    fsdp.add_argument("--fail-at-step", type=int, metavar="STEP",
+                      help="rank 1 fails as this step starts (not in a resumed run); under "
+                           "torchrun --max-restarts the restarted ranks resume from the last "
+                           "checkpoint")
     fsdp.add_argument("--memory", action="store_true",
                       help="measure rank 0's memory over the last step: the budget table")
     fsdp.add_argument("--timeout", type=float, default=600.0,

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from labs.collective_check import note
 from labs.double_tree import double_tree_all_reduce as double_tree_all_reduce
 from labs.grid import ProcessGrid, node_layout  # the hierarchical all-reduce's node grid
 from labs.halving_doubling import halving_doubling_all_reduce as halving_doubling_all_reduce
@@ -232,6 +233,7 @@ def ring_all_reduce(
             and (op is ReduceOp.SUM or op is ReduceOp.AVG and tensor.is_floating_point())
             and kept.serves(tensor, group, segment_bytes, window)):
         # The very call the kept pass was compiled (and everything checked) for: run it.
+        note("ring_all_reduce", tensor, group)  # labs.collective_check; Peers.of notes the rest
         execute(kept)
         return _finish(tensor, op, kept.size)
     _check(tensor, op)

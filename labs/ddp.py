@@ -52,6 +52,7 @@ from torch import nn
 
 from labs import link
 from labs.collectives import ring_all_reduce
+from labs.ddp_join import JoinMixin
 
 #: torch DDP's default bucket size, in MiB.
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -342,7 +343,7 @@ def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | Non
         del job, future
 
 
-class DDP(_SyncMixin, nn.Module):
+class DDP(_SyncMixin, JoinMixin, nn.Module):
     """Bucketed data parallelism with communication overlapping backward.
 
     At construction: rank 0's parameters and buffers are broadcast, the trainable parameters
@@ -392,6 +393,12 @@ class DDP(_SyncMixin, nn.Module):
         self.overlap = overlap
         self.require_backward_grad_sync = True
         self.world_size = dist.get_world_size(process_group)
+        #: What finishing divides the summed gradients by: N, or inside :meth:`join` with
+        #: ``divide_by_initial_world_size=False`` the ranks still training this step.
+        self._divisor = self.world_size
+        #: Inside :meth:`join`, while this rank still trains: whether to divide by N; None
+        #: outside.
+        self._joining: bool | None = None
         self.timeline = StepTimeline()
         #: Where buckets are all-reduced on an emulated link; None: gloo's own async collective.
         self._stream = CommStream() if link.active() is not None else None
@@ -444,15 +451,26 @@ class DDP(_SyncMixin, nn.Module):
                 "DDP: the previous backward pass was not synchronised. Call "
                 "model.finish_gradient_synchronization() after loss.backward() and before "
                 "optimizer.step() (or run that backward inside model.no_sync()).")
-        if self.broadcast_buffers and self.world_size > 1:
-            with torch.no_grad():
-                for buffer in self.module.buffers():
-                    dist.broadcast(buffer, src=self._root(), group=self.process_group)
+        if self._joining is not None and torch.is_grad_enabled() \
+                and self.require_backward_grad_sync:
+            # "still training": 1 from every rank that is, 0 from each rank that has joined
+            training = self._count_training(1.0)
+            self._divisor = self.world_size if self._joining else int(training)
+        self._broadcast_buffers()
         output = self.module(*args, **kwargs)
         if (self.find_unused_parameters and self.require_backward_grad_sync
                 and torch.is_grad_enabled()):
             self._mark_unused(params_in_graph(output))
         return output
+
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        all_reduce_sum(tensor, self.process_group)
+
+    def _broadcast_buffers(self) -> None:
+        if self.broadcast_buffers and self.world_size > 1:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    dist.broadcast(buffer, src=self._root(), group=self.process_group)
 
     def _mark_unused(self, reached: set[int]) -> None:
         """Count the parameters the graph does not reach as ready now. Their slot holds the
@@ -551,9 +569,9 @@ class DDP(_SyncMixin, nn.Module):
                         self._where[id(param)][2]]):
                     # the mean, written straight into .grad: dividing here rather than before
                     # the all-reduce saves one pass over the bucket
-                    torch.div(bucket.slot(position), self.world_size, out=param.grad)
+                    torch.div(bucket.slot(position), self._divisor, out=param.grad)
                 elif used is not None and used[self._where[id(param)][2]]:
-                    param.grad = bucket.slot(position) / self.world_size  # a peer used it
+                    param.grad = bucket.slot(position) / self._divisor  # a peer used it
             bucket.arrived.clear()
             bucket.state, bucket.work = BucketState.FILLING, None
         self._next_launch = 0

@@ -61,8 +61,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labs import collective_check, plain_results
 from labs import link as emulated
-from labs import plain_results
+from labs.collective_check import check_mode
 from labs.launch_inputs import (
     MAX_WORLD_SIZE,
     Backend,
@@ -146,6 +147,7 @@ class _RankSpec:
     stack_path: str  #: where faulthandler writes the stack when the launcher asks (timeout)
     link: Link | Topology | None = None  #: the emulated wire of labs' point-to-point messages
     plain: bool = False  #: report as plain data (labs.plain_results), not as a pickle
+    check: bool | str = False  #: check its collectives (labs.collective_check)
 
 
 def launch(
@@ -163,6 +165,7 @@ def launch(
     result_types: Sequence[type] | None = None,
     rank_args: Sequence[Sequence[Any]] | None = None,
     count_writes: bool = False,
+    check_collectives: bool | str = False,
 ) -> RankResults:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes and return the results.
 
@@ -192,6 +195,11 @@ def launch(
             :class:`labs.link.Topology` of nodes, whose ``node_size`` must divide
             ``world_size``) for the messages of labs' point-to-point layer; None (default)
             sends them over the real transport.
+        check_collectives: True checks, before each collective, that every rank of its
+            group issues the same one (operation, shape, dtype, root, call site) as the same
+            numbered collective of that group, and raises :class:`RankError` naming the
+            collective, what each rank issued and where, before any rank enters it
+            (:mod:`labs.collective_check`); ``"shapes"`` leaves out the call sites.
         failure_grace: seconds to wait, once a rank has failed, for the others to report
             (or fail) before the rest are stopped. The exercise checks wait longer, so that
             ranks failing the same way on a busy machine are all seen and their verdict
@@ -228,6 +236,7 @@ def launch(
                          "pass backend='gloo' with link=.")
     if rank_args is not None:
         check_rank_args(rank_args, world_size)
+    check = check_mode(check_collectives)
     if count_writes and result_types is None:
         raise ValueError("count_writes needs result_types: the bytes of a plain report are "
                          "known, and taken off what the rank wrote.")
@@ -246,7 +255,7 @@ def launch(
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),
                 stack_path=str(Path(tmp) / f"rank{rank}.stack"), link=link,
-                plain=result_types is not None,
+                plain=result_types is not None, check=check,
             )
             for rank in range(world_size)
         ]
@@ -271,7 +280,8 @@ def launch(
         found = {r: name_cells(stacks[r]) for r in outcome.ranks if stacks[r]}
         raise LaunchTimeout(outcome.ranks, timeout, found)
     if isinstance(outcome, Failed):
-        raise first_failure([dataclasses.replace(f, traceback=name_cells(f.traceback))
+        raise first_failure([dataclasses.replace(f, traceback=name_cells(f.traceback),
+                                                 message=name_cells(f.message))
                               for f in outcome.failures])
     results = RankResults(outcome.values[r] if result_types is not None
                           else unpack_result(outcome.values[r]) for r in range(world_size))
@@ -326,7 +336,10 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
         fn, args = unpack_call(payload)
         emulated.use(spec.link, spec.rank)
         _join_group(spec)
+        if spec.check:
+            collective_check.install(spec.rank, spec.check)
         value = fn(spec.rank, spec.world_size, *args)
+        collective_check.finish()
         message: tuple[str, Any] = ("ok", plain_results.encode(("ok", value)) if spec.plain
                                     else pack_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit too, goes back

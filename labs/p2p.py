@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from labs import link
+from labs import collective_check, link
 
 
 class Phase(enum.Enum):
@@ -121,6 +122,8 @@ class Peers:
         peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
         if tensor is not None and peers.size > 1:
             peers.check_can_send(tensor)
+        if tensor is not None:  # a collective starts: checked under check_collectives=True
+            collective_check.note(sys._getframe(1).f_code.co_name, tensor, group)  # noqa: SLF001
         return peers
 
     def check_can_send(self, tensor: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ def run_torchrun(
     chosen = choose_backend(backend, local_world_size, ranks="LOCAL_WORLD_SIZE")
     if chosen is Backend.NCCL:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(chosen.value)
+    _init_group(chosen.value, rank, world_size)
     device = torch.device("cuda", local_rank) if chosen is Backend.NCCL else torch.device("cpu")
     in_flight: list[torch.Tensor] = []
     try:
@@ -53,6 +53,23 @@ def run_torchrun(
         dist.destroy_process_group()
     del in_flight  # only now that the group's threads have stopped (see _gather_bytes)
     return None if payloads is None else [unpack_result(p) for p in payloads]
+
+
+def _init_group(backend: str, rank: int, world_size: int) -> None:
+    """torchrun's env:// rendezvous, with keys of this attempt's own after a restart.
+
+    Under ``torchrun --max-restarts`` the agent's store outlives the workers it restarts, and
+    on torch 2.13 gloo's new group read the addresses the first attempt's ranks had left
+    there: "Gloo connectFullMesh failed ... Connection refused". Each attempt
+    (TORCHELASTIC_RESTART_COUNT) therefore meets under a prefix of its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"labs/attempt-{attempt}", store),
+                            rank=rank, world_size=world_size)
 
 
 def _gather_bytes(payload: bytes, rank: int, world_size: int, device: torch.device,

@@ -4,6 +4,7 @@ step, a run saved on 4 ranks and resumed on 2, and the command line."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from labs.experiments.recipe import (
     recomputed_block_bytes,
     unit_sizes,
 )
+from labs.rank_errors import RankError
 from tests.parity import launch
 
 SMALL = RecipeConfig(steps=2, d_model=32, n_heads=2, n_layers=3, seq_len=16)
@@ -86,6 +88,54 @@ def test_a_run_saved_on_four_ranks_resumes_on_two_with_twice_the_accumulation(tm
     second = launch(recipe_worker, 2, args=(resumed,), echo=False, timeout=120)[0]
     assert second.start_step == 2 and len(second.losses) == 2
     assert second.losses[-1] < first.losses[0]  # it goes on learning from where it stopped
+
+
+def test_a_crashed_run_resumed_from_its_checkpoint_has_every_loss_of_one_that_never_failed(
+        tmp_path):
+    whole = launch(recipe_worker, 2, args=(dataclasses.replace(
+        SMALL, steps=5, checkpoint=str(tmp_path / "whole"), checkpoint_every=2),),
+        echo=False, timeout=120)[0]
+    crashing = dataclasses.replace(SMALL, steps=5, checkpoint=str(tmp_path / "crash"),
+                                   checkpoint_every=2, fail_at_step=4)
+    with pytest.raises(RankError) as caught:
+        launch(recipe_worker, 2, args=(crashing,), echo=False, timeout=120)
+    assert caught.value.rank == 1 and caught.value.exc_type == "InjectedFailure"
+    assert "the last checkpoint holds step 2" in str(caught.value)
+    resumed = launch(recipe_worker, 2, args=(dataclasses.replace(crashing, resume=True),),
+                     echo=False, timeout=120)[0]
+    assert resumed.start_step == 2  # step 3 was lost: at most checkpoint_every steps
+    assert resumed.losses == whole.losses[2:]  # bit for bit
+
+
+@pytest.mark.parametrize("change, world_size, message", [
+    ({"fail_at_step": 0}, 2, "fail_at_step must be a step of the run"),
+    ({"fail_at_step": 3}, 2, "fail_at_step must be a step of the run, 1 to steps=2"),
+    ({"fail_at_step": 1}, 1, "needs at least 2 ranks"),
+])
+def test_a_failure_the_run_cannot_have_is_refused_before_any_process_starts(
+        change, world_size, message, refuse_processes):
+    with refuse_processes(), pytest.raises(ValueError, match=message):
+        dataclasses.replace(SMALL, **change).check(world_size)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_crashed_run_which_resumes_and_ends_with_the_same_loss(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    lab = ["-m", "labs", "fsdp", "--steps", "5", "--d-model", "32", "--layers", "2",
+           "--checkpoint-every", "2"]
+    whole = subprocess.run([sys.executable, *lab, "--world-size", "2", "--checkpoint",
+                            str(tmp_path / "whole")], capture_output=True, text=True,
+                           timeout=300, check=True).stdout
+    crashed = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                              *lab, "--checkpoint", str(tmp_path / "crash"), "--fail-at-step",
+                              "4"], capture_output=True, text=True, timeout=300, check=False)
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    assert "torchrun restart 1: resumed from the checkpoint of step 2" in crashed.stdout
+    assert "InjectedFailure" in crashed.stderr  # the first attempt's rank 1
+
+    def final(out: str) -> str:
+        return next(line for line in out.splitlines() if line.startswith("final loss"))
+    assert final(crashed.stdout).split(" on ")[0] == final(whole).split(" on ")[0]
 
 
 def test_resuming_another_model_is_refused_before_any_process_starts(tmp_path,

@@ -9,6 +9,7 @@
     python -m labs.bench fsdp [--memory-world-size 4] [--time-world-size 2] (see --help)
     python -m labs.bench topology [--nodes 2 4 8] [--node-size 2] [--size 16M] [--grid] (see --help)
     python -m labs.bench grading [--repeats 5] [--chapter 04_all_gather.ipynb]
+    python -m labs.bench faults [--world-size 2] [--repeats 200] (see --help)
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a
 fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 
 from labs.bench.collectives import add_collectives_parser, collectives_main
 from labs.bench.ddp import add_ddp_parser, ddp_main
+from labs.bench.faults import add_faults_parser, faults_main
 from labs.bench.fsdp import add_fsdp_parser, fsdp_main
 from labs.bench.grading import add_grading_parser, grading_main
 from labs.bench.topology import add_topology_parser, topology_main
@@ -98,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_fsdp_parser(sub)
     add_topology_parser(sub)
     add_grading_parser(sub)
+    add_faults_parser(sub)
     opts = parser.parse_args(argv)
     if opts.bench == "launch":
         print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
@@ -109,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         topology_main(opts, sub.choices["topology"])
     elif opts.bench == "grading":
         grading_main(opts)
+    elif opts.bench == "faults":
+        faults_main(opts, sub.choices["faults"])
     else:
         collectives_main(opts, sub.choices["collectives"])
 

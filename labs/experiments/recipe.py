@@ -70,6 +70,9 @@ class RecipeConfig:
         resume: start from ``checkpoint``'s step.
         measure_memory: measure rank 0's memory over the last step (slower: every operator
             of that step is seen by an :class:`~labs.memory.AllocationTracker`).
+        fail_at_step: rank 1 raises :class:`InjectedFailure` as this step starts, in a run
+            that did not resume (a crash to recover from: under ``torchrun --max-restarts``
+            the restarted ranks resume from the last checkpoint and do not fail again).
     """
 
     steps: int = 30
@@ -88,6 +91,7 @@ class RecipeConfig:
     checkpoint_every: int | None = None
     resume: bool = False
     measure_memory: bool = False
+    fail_at_step: int | None = None
 
     def __post_init__(self) -> None:
         self.train_config()  # its checks: positive sizes, heads dividing d_model, lr
@@ -102,6 +106,11 @@ class RecipeConfig:
         if (self.resume or self.checkpoint_every is not None) and not self.checkpoint:
             raise ValueError("resume and checkpoint_every need a checkpoint directory: give "
                              "its path.")
+        if self.fail_at_step is not None and (
+                isinstance(self.fail_at_step, bool) or not isinstance(self.fail_at_step, int)
+                or not 1 <= self.fail_at_step <= self.steps):
+            raise ValueError(f"fail_at_step must be a step of the run, 1 to steps={self.steps}, "
+                             f"got {self.fail_at_step!r}.")
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -118,6 +127,9 @@ class RecipeConfig:
         """Refuse, before any process starts, what cannot run on ``world_size`` ranks; return
         the step a resume starts from (0 without resume)."""
         self.train_config().steps_per_epoch(world_size)
+        if self.fail_at_step is not None and world_size < 2:
+            raise ValueError(f"fail_at_step makes rank 1 fail: it needs at least 2 ranks, got "
+                             f"{world_size}.")
         if not self.resume:
             return 0
         saved = read_recipe(str(self.checkpoint))
@@ -130,6 +142,10 @@ class RecipeConfig:
             raise ValueError(f"the checkpoint is at step {saved['step']}, past steps="
                              f"{self.steps}: ask for more steps.")
         return int(saved["step"])
+
+
+class InjectedFailure(RuntimeError):
+    """The crash ``fail_at_step`` asks for."""
 
 
 def read_recipe(path: str) -> dict[str, object]:
@@ -195,6 +211,9 @@ def recipe_worker(rank: int, world_size: int, config: RecipeConfig) -> RecipeRes
     tracker: AllocationTracker | None = None
     started = time.perf_counter()
     for step in range(start_step + 1, config.steps + 1):
+        if step == config.fail_at_step and rank == 1 and not config.resume:
+            raise InjectedFailure(f"rank 1 fails as step {step} starts (fail_at_step={step}); "
+                                  f"the last checkpoint holds step {saved[-1] if saved else 0}")
         measured = config.measure_memory and rank == 0 and step == config.steps
         with (AllocationTracker() if measured else contextlib.nullcontext()) as tracker_now:
             if measured:
