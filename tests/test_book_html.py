@@ -575,7 +575,9 @@ def chromium() -> str:
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("page", BROWSER_PAGES)
+@pytest.mark.parametrize("page", [p if p in (INTRO, CHAPTER, *ANIMATED, WIDGET_PAGES[-1])
+                                  else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in BROWSER_PAGES])  # one widget page in make test
 def test_page_renders_offline(html_root: Path, chromium: str, page: str) -> None:
     path = html_root / page
     static = parse_html(path.read_text("utf-8"))

@@ -281,8 +281,16 @@ def _built(page: str) -> Path:
 # --------------------------------------------------------------------------- book tests
 
 
+#: Every chapter's panels switch the same way: three chapters in make test, the rest in
+#: make test-slow.
+FAST_PANEL_PAGES = ("notebooks/02_allreduce_algorithms.html", "notebooks/05_ddp.html",
+                    "notebooks/07_fsdp_in_practice.html")
+
+
 @pytest.mark.browser
-@pytest.mark.parametrize("page", sorted(PANEL_PAGES))
+@pytest.mark.parametrize("page", [p if p in FAST_PANEL_PAGES
+                                  else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in sorted(PANEL_PAGES)])
 def test_recorded_panels_switch_in_the_browser(open_page: Any, page: str) -> None:
     path = _built(page)
     html_text = path.read_text("utf-8")

@@ -274,6 +274,7 @@ def test_two_launches_at_once_in_threads(tmp_path):
     check_two_overlapping_launches(first, second)
 
 
+@pytest.mark.slow  # the same promise as the threads' test above, from two processes
 def test_two_launches_at_once_in_two_processes(tmp_path):
     """Promise 3: two launches running at the same time from two processes both succeed."""
     where = tmp_path / "met"

@@ -84,6 +84,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # the CLI's local launch: also test_recipe's; the toy lab: also torchrun's
 def test_cli_runs_the_toy_lab():
     out = _cli("toy", "--world-size", "2", "--grads", "1", "3")
     assert out.returncode == 0, out.stderr
