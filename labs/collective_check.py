@@ -94,7 +94,6 @@ class _Checker:
     store: Any
     compare_sites: bool
     counts: dict[str, int]
-    groups: dict[str, list[int]]
 
     def check(self, op: str, tensor: Any, group: Any, root: int | None) -> None:
         ranks = _group_ranks(group)
@@ -102,7 +101,7 @@ class _Checker:
             return
         key = ",".join(map(str, ranks))
         seq = self.counts.get(key, 0) + 1
-        self.counts[key], self.groups[key] = seq, ranks
+        self.counts[key] = seq
         mine = CollectiveCall(seq, op, *_shape_and_dtype(tensor), root, _caller())
         self.store.set(f"{_PREFIX}/{key}/{seq}/{self.rank}", json.dumps(asdict(mine)))
         theirs = {self.rank: mine}
@@ -142,7 +141,7 @@ def install(rank: int, mode: bool | str) -> None:
     ``"shapes"`` (the same without the call site)."""
     global _active
     store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the launch's own store
-    _active = _Checker(rank, store, mode is True, {}, {})
+    _active = _Checker(rank, store, mode is True, {})
     for name, root_arg in TORCH_COLLECTIVES.items():
         original = getattr(dist, name, None)
         if original is not None and not getattr(original, "_labs_checked", False):
@@ -262,8 +261,3 @@ def _returned(mine: CollectiveCall, peer: int, issued: int, ranks: Sequence[int]
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
-
-
-def active() -> bool:
-    """Whether this process checks its collectives."""
-    return _active is not None
