@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import functools
 import json
+import linecache
 import os
+import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -211,11 +212,18 @@ def _shape_and_dtype(tensor: Any) -> tuple[tuple[int, ...] | None, str | None]:
 
 
 def _caller() -> str:
-    """The innermost frame that is not torch's nor the collective's own machinery."""
-    for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith(_SKIPPED_FILES):
-            line = f'File "{frame.filename}", line {frame.lineno}, in {frame.name}'
-            return f"{line}\n    {frame.line}" if frame.line else line
+    """The innermost frame that is not torch's nor the collective's own machinery, nor a
+    function that only passes the collective on and says so as pytest's helpers do, with a
+    local ``__tracebackhide__ = True`` (a rank's own recorder of what it issues)."""
+    frame = sys._getframe(1)  # noqa: SLF001 - the stack without formatting every frame
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIPPED_FILES) \
+                and not frame.f_locals.get("__tracebackhide__"):
+            line = f'File "{filename}", line {frame.f_lineno}, in {frame.f_code.co_name}'
+            source = linecache.getline(filename, frame.f_lineno).strip()
+            return f"{line}\n    {source}" if source else line
+        frame = frame.f_back
     return "(unknown)"
 
 

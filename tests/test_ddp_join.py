@@ -10,48 +10,21 @@ from torch import nn
 
 from labs import launch
 from labs.ddp import DDP
+from labs.experiments.recovery import join_worker, train_batches, uneven_batches, uneven_net
 from labs.rank_errors import LaunchTimeout
 
 
 def _batches(rank: int) -> list[torch.Tensor]:
     """Rank r holds 1 + r batches: rank 0 runs out first."""
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(5, 6, generator=generator) for _ in range(1 + rank)]
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def _train(model: nn.Module, sync: bool, batches: list[torch.Tensor]) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x in batches:
-        model(x).square().mean().backward()
-        if sync:
-            model.finish_gradient_synchronization()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def join_worker(rank: int, world_size: int, initial: bool
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    batches = _batches(rank)
-    ours = DDP(_net())
-    with ours.join(divide_by_initial_world_size=initial):
-        _train(ours, True, batches)
-    theirs = nn.parallel.DistributedDataParallel(_net())
-    with theirs.join(divide_by_initial_world_size=initial):
-        _train(theirs, False, batches)
-    return ([p.detach() for p in ours.module.parameters()],
-            [p.detach() for p in theirs.module.parameters()])
+    return uneven_batches(rank, 1 + rank)
 
 
 @pytest.mark.parametrize("world_size, initial", [(2, True), (4, False),
                                                  pytest.param(4, True, marks=pytest.mark.slow),
                                                  pytest.param(2, False, marks=pytest.mark.slow)])
 def test_join_trains_uneven_data_as_torch_ddp_join_does(world_size, initial):
-    results = launch(join_worker, world_size, args=(initial,), timeout=60, echo=False)
+    batches = tuple(1 + r for r in range(world_size))
+    results = launch(join_worker, world_size, args=(batches, initial), timeout=60, echo=False)
     for ours, theirs in results:
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -62,8 +35,8 @@ def test_join_trains_uneven_data_as_torch_ddp_join_does(world_size, initial):
 
 def shadow_missing(rank: int, world_size: int) -> list[torch.Tensor]:
     """The step a joined rank must shadow, not shadowed: a DDP without join()."""
-    model = DDP(_net())
-    _train(model, True, _batches(rank))
+    model = DDP(uneven_net())
+    train_batches(model, _batches(rank))
     return [p.detach() for p in model.module.parameters()]
 
 
@@ -77,13 +50,13 @@ def test_without_join_the_rank_that_runs_out_leaves_its_peers_waiting():
 def wrong_divisor(rank: int, world_size: int) -> list[torch.Tensor]:
     """join() as it would be if finishing divided by N while dividing by the ranks still
     training was asked for."""
-    model = DDP(_net())
+    model = DDP(uneven_net())
     with model.join(divide_by_initial_world_size=False):
         model._joining = True  # noqa: SLF001 - the bug under test: the divisor stays N
-        _train(model, True, _batches(rank))
-    theirs = nn.parallel.DistributedDataParallel(_net())
+        train_batches(model, _batches(rank))
+    theirs = nn.parallel.DistributedDataParallel(uneven_net())
     with theirs.join(divide_by_initial_world_size=False):
-        _train(theirs, False, _batches(rank))
+        train_batches(theirs, _batches(rank), sync=False)
     return [float((a - b).abs().max()) for a, b in zip(model.module.parameters(),
                                                        theirs.module.parameters(), strict=True)]
 

@@ -5,21 +5,25 @@ drawn before the run. Times are bounds here, not targets (the chapter shows them
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
 
-from labs.experiments.faults import (
-    DeathSettings,
+from labs.experiments.faults import DeathSettings, first_desync, measure_death, run_desync
+from labs.experiments.recipe import RecipeConfig
+from labs.experiments.recovery import torchrun_command
+from labs.experiments.stragglers import (
     StragglerSettings,
     expected_largest,
     harmonic,
-    measure_death,
     measure_stragglers,
 )
 
 
-@pytest.mark.parametrize("collective", ["torch", pytest.param("ring", marks=pytest.mark.slow)])
+# make test-slow: chapter 9's stored run checks a killed rank under both all-reduces (nbval)
+@pytest.mark.slow
+@pytest.mark.parametrize("collective", ["torch", "ring"])
 def test_a_killed_rank_is_named_and_its_peers_see_it_before_the_timeout(collective):
     config = DeathSettings(world_size=3, victim=1, after_s=0.3, how="killed",
                            collective=collective, group_timeout_s=5.0)
@@ -65,6 +69,7 @@ def test_the_largest_of_n_delays_is_drawn_before_the_run_and_expected_as_mean_ti
     assert statistics.mean(max(row) for row in many) == pytest.approx(harmonic(4), rel=0.05)
 
 
+@pytest.mark.slow  # chapter 9 runs the stragglers at 2, 4 and 8 ranks, checked by nbval
 def test_a_small_straggler_run_keeps_every_step_and_its_largest_delay():
     config = StragglerSettings(mean_s=0.005, steps=3)
     (row,) = measure_stragglers((2,), config, timeout=60)
@@ -73,3 +78,34 @@ def test_a_small_straggler_run_keeps_every_step_and_its_largest_delay():
     assert row.predicted > 0 and row.expected > 0
     with pytest.raises(ValueError, match="world_sizes must be ints >= 2"):
         measure_stragglers((1,), config)
+
+
+# --- desynchronized collectives and recovery (chapter 9's runs; nbval shows the rest) --------
+
+
+def test_swapped_all_reduces_of_one_shape_sum_wrong_without_an_error_and_leave_logs():
+    row = run_desync("swap", "none")
+    assert [o.sums_right for o in row.outcomes] == [False, False]
+    assert not any(o.error for o in row.outcomes) and not row.crash
+    found = first_desync([list(o.log) for o in row.outcomes])
+    assert found is not None and found[0] == 1  # the first entries differ in their lines
+    assert sorted(found[1].values()) == [(0,), (1,)]
+
+
+def test_bad_desync_settings_say_what_to_pass():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        run_desync("late", "none")
+    with pytest.raises(ValueError, match="watcher one of"):
+        run_desync("skip", "gdb")
+
+
+def test_the_torchrun_command_holds_the_run_or_says_what_it_cannot_hold(tmp_path):
+    config = RecipeConfig(steps=8, d_model=32, n_layers=2, dtype="fp32",
+                          activation_checkpointing=False)
+    command = torchrun_command(config, str(tmp_path), fail_at_step=6, checkpoint_every=3)
+    assert command[:4] == ["torchrun", "--standalone", "--nproc_per_node=2",
+                           "--max-restarts=1"]
+    assert command[command.index("--fail-at-step") + 1] == "6"
+    assert "--no-checkpointing" in command
+    with pytest.raises(ValueError, match="no --heads or --seq-len"):
+        torchrun_command(dataclasses.replace(config, seq_len=16), str(tmp_path), 6, 3)

@@ -329,11 +329,8 @@ def test_release_covers_every_exercise_of_the_book(tmp_path):
     assert [e.exercise for c in chapters for e in c.exercises] == ALL_EXERCISES
 
 
-#: The gradings `make test` runs, one per behaviour; every other chapter's in `make test-slow`,
-#: which CI runs too. Released stubs: chapter 1 (one exercise, the cheapest grading). A right
-#: answer and a bug: chapter 4 (two exercises, so "exactly that exercise" means something),
-#: graded once with hidden cases on, 4.1 right and 4.2 wrong; each chapter's full marks is slow.
-STUBS_CHAPTER = "01_toy_allreduce.ipynb"
+#: The gradings `make test` runs, one per behaviour; every other in `make test-slow`, which CI
+#: runs too: released stubs scoring zero and each chapter's full marks are slow.
 #: make test grades one mutation, in chapter 1 (one exercise, the quickest chapter to grade);
 #: "and every other exercise of the chapter passes" is shown by the slow ones (4.2: 40 s).
 FAST_MUTATION = "1.1"
@@ -344,8 +341,10 @@ def per_chapter(names: list[str], fast: set[str]) -> list[object]:
     return [n if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
-# One grading per chapter (not one for the whole book), so that test workers share them.
-@pytest.mark.parametrize("name", per_chapter(sorted(CHAPTERS), {STUBS_CHAPTER}))
+# One grading per chapter (not one for the whole book), so that test workers share them; all in
+# make test-slow: make test grades a wrong answer end to end (the mutation of FAST_MUTATION)
+# and reads the JSON report (test_the_report_has_a_row_per_exercise_a_total_and_json).
+@pytest.mark.parametrize("name", per_chapter(sorted(CHAPTERS), set()))
 def test_released_stubs_score_zero_on_every_exercise(tmp_path, no_leftovers, capsys, name):
     """Through the command line, with --json and no path: the report goes to stdout instead of
     the table."""
@@ -396,6 +395,8 @@ MUTATIONS = {
     "7.3": ("after = order.index(current) + 1", "after = order.index(current)"),
     "8.1": ("ring_all_reduce(shard, group=cross_group)", "pass  # forgot the other nodes"),
     "8.2": ("return out + b2", "return out"),
+    "9.1": ("return index + 1, {", "return index, {"),
+    "9.2": ("flat /= still", "flat /= dist.get_world_size()"),
 }
 
 
@@ -504,10 +505,9 @@ def naive_nbval(chapter: Chapter, nb: nbformat.NotebookNode, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("name, added, check_source", [
-    # make test: the cheat that reaches into the check's own launch; a forged PASS text is
-    # also refused there by test_edited_outputs_showing_pass_do_not_pass
-    c if c[0] == "monkeypatches launch"
-    else pytest.param(*c, marks=pytest.mark.slow) for c in CHEATS
+    # make test-slow: make test refuses a forged PASS (test_edited_outputs_showing_pass_do_not_pass)
+    # and runs every judge attack (test_grading_attacks.py); these are more cheats of that kind
+    pytest.param(*c, marks=pytest.mark.slow) for c in CHEATS
 ], ids=[c[0] for c in CHEATS])
 def test_a_cheat_that_fools_nbval_alone_does_not_pass(tmp_path, no_leftovers, name, added,
                                                       check_source):

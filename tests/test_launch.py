@@ -236,6 +236,7 @@ print("results:", list(results))
 """
 
 
+@pytest.mark.slow  # nbval runs every chapter's cells, which define workers and launch them
 def test_function_defined_in_a_jupyter_kernel_runs(tmp_path):
     """Promise 2: a real Jupyter kernel runs a cell that defines fn and calls launch."""
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_CELL)])

@@ -354,6 +354,7 @@ def test_plot_link_sweep_draws_model_measurements_and_the_band():
     assert not fig.axes[0].texts  # N = 2 does not
 
 
+@pytest.mark.slow  # test_viz clicks the same panel's button; here with the link ticked
 def test_the_collective_panel_runs_on_the_link_when_ticked(monkeypatch, capsys):
     import ipywidgets as w
 

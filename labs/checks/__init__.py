@@ -8,7 +8,7 @@ skeleton: exercise 1.1 in :mod:`labs.checks.toy`, exercises 2.1-4.2 in
 :mod:`labs.checks.zero` (their ranks' side in :mod:`labs.checks.zero_ranks`), 6.4-6.5 in
 :mod:`labs.checks.zero_grad`, 7.1 in :mod:`labs.checks.fsdp_practice`, 7.2 in
 :mod:`labs.checks.checkpoint`, 7.3 in :mod:`labs.checks.prefetch`, 8.1-8.2 in
-:mod:`labs.checks.topology`, each with its rank
+:mod:`labs.checks.topology`, 9.1-9.2 in :mod:`labs.checks.faults`, each with its rank
 worker, its judge and its explanations (and, where they are long, its cases and reference
 answers in the ``*_cases`` module beside it). The skeleton: :mod:`labs.checks.core` (the
 verdict, the validation, the plan of what a seed runs, the run over world sizes, reading a

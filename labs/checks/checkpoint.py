@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,15 +28,15 @@ from labs.checks.core import (
     CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
-    Stopped,
+    ThreadCalls,
     answer_key_refusal,
+    calls_in_thread,
     clean_traceback,
     failing_rank,
     raised,
     report,
     result_types,
     signature_problem,
-    stop_thread,
     validate_check_call,
 )
 from labs.checks.fsdp_practice_cases import (
@@ -75,14 +73,11 @@ def _as_pieces(value: object) -> list[Piece] | str:
 
 
 @dataclass
-class _PiecesRun:
+class _PiecesRun(ThreadCalls):
     """What the learner's calls of 7.2 gave, filled in by the thread that makes them, in the
     order of :func:`_calls`."""
 
     returned: list[list[Piece] | str] = field(default_factory=list)
-    error_type: str = ""  #: the exception of the call that raised ('' when none did)
-    error: str = ""  #: its traceback
-    finished: bool = False
 
 
 def _calls(plan: PiecesPlan) -> list[tuple[PiecesCase, int]]:
@@ -98,25 +93,11 @@ def _run_pieces(fn: Callable[..., Any], plan: PiecesPlan, timeout: float) -> tup
     run = _PiecesRun()
 
     def make_calls() -> None:
-        try:
-            for case, rank in _calls(plan):
-                run.returned.append(_as_pieces(
-                    fn(case.numel, case.saved_world_size, case.world_size, rank)))
-            run.finished = True
-        except Stopped:
-            pass
-        except BaseException as exc:  # the learner's error, whatever it is, is the verdict
-            run.error_type = type(exc).__name__
-            run.error = "".join(traceback.format_exception(exc))
+        for case, rank in _calls(plan):
+            run.returned.append(_as_pieces(
+                fn(case.numel, case.saved_world_size, case.world_size, rank)))
 
-    thread = threading.Thread(target=make_calls, name="labs check 7.2", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    where = ""
-    if thread.is_alive():
-        where = stop_thread(thread)
-        thread.join(1.0)
-    return run, where
+    return run, calls_in_thread(make_calls, run, "labs check 7.2", timeout)
 
 
 #: What the one rank of 7.2 gets beyond the calls' own ``timeout``: its start, and stopping a

@@ -282,6 +282,42 @@ def stop_thread(thread: threading.Thread) -> str:
     return where
 
 
+@dataclass
+class ThreadCalls:
+    """How a learner's calls made in a thread ended (:func:`calls_in_thread`)."""
+
+    finished: bool = False
+    error_type: str = ""  #: the exception of the call that raised ('' when none did)
+    error: str = ""  #: its traceback
+
+
+def calls_in_thread(make_calls: Callable[[], None], ended: ThreadCalls, name: str,
+                    timeout: float) -> str:
+    """Run ``make_calls()`` (the learner's calls of a pure-function exercise) in a daemon
+    thread of this process for at most ``timeout`` seconds, noting in ``ended`` whether it
+    finished or which exception it raised; return where the learner's code was when it was
+    stopped ('' when it ended in time). Exercises 7.2, 7.3 and 9.1 run their calls this way."""
+
+    def run() -> None:
+        try:
+            make_calls()
+            ended.finished = True
+        except Stopped:
+            pass
+        except BaseException as exc:  # the learner's error, whatever it is, is the verdict
+            ended.error_type = type(exc).__name__
+            ended.error = "".join(traceback.format_exception(exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not thread.is_alive():
+        return ""
+    where = stop_thread(thread)
+    thread.join(1.0)
+    return where
+
+
 @contextlib.contextmanager
 def case_noted(index: int) -> Iterator[None]:
     """Inside a rank: an exception raised in the block carries case ``index``, which

@@ -228,6 +228,16 @@ EXERCISES: tuple[ExerciseSpec, ...] = (
          "labs.tensor_parallel.RowParallelLinear",
          "labs.tensor_parallel.RowParallelLinear.forward"),
         "labs.checks.topology_cases.MlpPlan"),
+    ExerciseSpec(
+        "9.1", "09_when_it_goes_wrong", "find_desync", "find_desync", ("logs",),
+        "check_find_desync", "labs.checks.faults",
+        ("labs.experiments.faults.first_desync",),
+        "labs.checks.faults_cases.DesyncPlan"),
+    ExerciseSpec(
+        "9.2", "09_when_it_goes_wrong", "join_step", "join_step", ("model", "batch", "lr"),
+        "check_join_step", "labs.checks.faults",
+        ("labs.ddp.DDP", "labs.ddp.DDP.join"),
+        "labs.checks.faults_cases.JoinPlan"),
 )
 
 #: Exercise id -> its row.

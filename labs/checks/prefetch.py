@@ -19,8 +19,6 @@ runs the documented cases; any other seed also draws three more calls from
 
 from __future__ import annotations
 
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +31,9 @@ from labs.checks.core import (
     CHECK_FAILURE_GRACE_S,
     CHECK_TIMEOUT_S,
     CheckResult,
-    Stopped,
+    ThreadCalls,
     answer_key_refusal,
+    calls_in_thread,
     clean_traceback,
     failing_rank,
     listed,
@@ -42,7 +41,6 @@ from labs.checks.core import (
     report,
     result_types,
     signature_problem,
-    stop_thread,
     validate_check_call,
 )
 from labs.checks.fsdp_practice_cases import (
@@ -65,14 +63,11 @@ _PREFETCH_SLACK_S = 20.0
 
 
 @dataclass
-class _PrefetchRun:
+class _PrefetchRun(ThreadCalls):
     """What one rank of 7.3 saw: the table's answers (in the plan's order), how the calls
     ended, and the real runs (each step's observer events, then the full parameters)."""
 
     returned: list[object] = field(default_factory=list)
-    error_type: str = ""  #: the exception of the call that raised ('' when none did)
-    error: str = ""  #: its traceback
-    finished: bool = False
     where: str = ""  #: where a call that did not return was stopped
     refused: str = ""  #: the answer-key refusal ('' when no key was called)
     yours: list[list[tuple[str, str]]] = field(default_factory=list)
@@ -86,23 +81,11 @@ def _calls_in_thread(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]],
     of ``order`` each time, so that a call that changes it changes no other case."""
 
     def make_calls() -> None:
-        try:
-            for order, current, prefetch in calls:
-                got = fn(list(order), current, prefetch)
-                run.returned.append(list(got) if isinstance(got, (list, tuple)) else got)
-            run.finished = True
-        except Stopped:
-            pass
-        except BaseException as exc:  # the learner's error, whatever it is, is the verdict
-            run.error_type, run.error = type(exc).__name__, "".join(
-                traceback.format_exception(exc))
+        for order, current, prefetch in calls:
+            got = fn(list(order), current, prefetch)
+            run.returned.append(list(got) if isinstance(got, (list, tuple)) else got)
 
-    thread = threading.Thread(target=make_calls, name="labs check 7.3", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        run.where = stop_thread(thread)
-        thread.join(1.0)
+    run.where = calls_in_thread(make_calls, run, "labs check 7.3", timeout)
 
 
 def _train(rank: int, policy: Callable[..., Any] | None

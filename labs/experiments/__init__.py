@@ -22,5 +22,10 @@ notebook turns into tables (:mod:`labs.tables`) and figures (:mod:`labs.viz`).
   fsdp``);
 * :mod:`labs.experiments.mesh` - chapter 8: process groups and 2-D meshes (``new_group``
   against ``init_device_mesh``, DTensor placements) and tensor parallelism of the MLP
-  against one process.
+  against one process;
+* chapter 9: :mod:`labs.experiments.faults` (a rank killed or stopped, desynchronized
+  collectives under each watcher, what watching costs), :mod:`labs.experiments.stragglers`
+  (random delays against the expected largest, a step with one rank late) and
+  :mod:`labs.experiments.recovery` (uneven data with and without ``join()``, a crash resumed
+  under ``launch`` and under ``torchrun --max-restarts``).
 """

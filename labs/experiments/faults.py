@@ -7,35 +7,39 @@ its sockets open, answering nothing, as a machine that hangs). Each survivor rep
 collective raised and how long after the victim's moment, as a :class:`PeerLost`; the
 launcher reports the whole as one :class:`labs.rank_errors.RankError`, which the run keeps.
 
-**A straggler** (:func:`measure_stragglers`). N ranks train a small model with labs' DDP; before
-each step every rank sleeps a delay drawn from an exponential distribution of mean ``mean_s``
-(the draws are known in advance: a generator seeded by step and rank). A step cannot end
-before the slowest rank's all-reduce, so each step should last a step without delays plus
-the largest of that step's N delays, whose expectation is ``mean_s`` times the harmonic
-number H_N = 1 + 1/2 + ... + 1/N: 1.5, 2.08 and 2.72 means at N = 2, 4, 8.
+**A desynchronized collective** (:func:`run_desync`). A step all-reduces a gradient, then a loss;
+rank 1 gets it wrong in one of :data:`DESYNC_KINDS` ways: it skips the gradient's all-reduce,
+issues the two in the other order, or all-reduces a gradient of another shape. Each rank keeps
+a log of what it issued (a :class:`Recorder`, a flight recorder of one step) and reports how
+its step ended: sums right, sums wrong, or the error it got. One of :data:`WATCHERS` looks
+on: nobody, torch's own checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which wraps the group in a
+``ProcessGroupWrapper``: before every collective a ``monitored_barrier`` and a comparison of
+each rank's op, shapes and dtypes), or labs' ``launch(..., check_collectives=True)``.
+:func:`first_desync` reads the logs after the job.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
 import statistics
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from labs.collective_check import CollectiveCall
 from labs.collectives import ring_all_reduce
 from labs.ddp import DDP
 from labs.launcher import launch
-from labs.link import Link
+from labs.models import StepSettings, mlp
 from labs.rank_errors import LaunchTimeout, RankError
+from labs.tables import format_table
 
 #: How a victim goes: its process killed, or stopped and left alive.
 HOW = ("killed", "stopped")
@@ -145,110 +149,255 @@ def measure_death(config: DeathSettings, timeout: float = 60.0) -> DeathRow:
     raise RuntimeError("the job ended without an error: the victim did not go.")
 
 
-# --- stragglers ---------------------------------------------------------------------------------
+def death_table(rows: Sequence[DeathRow]) -> str:
+    """Each failure: when the survivors saw it, against the group's timeout, and what launch
+    named."""
+    return format_table(
+        ["victim", "all-reduce", "survivors saw it after (s)", "group timeout (s)",
+         "launch named", "launch raised after (s)"],
+        [[r.config.how, r.config.collective, ", ".join(f"{s:.3f}" for s in r.detected_s),
+          f"{r.config.group_timeout_s:g}", f"rank {r.named_rank} {r.named_type}",
+          f"{r.launch_s:.2f}"] for r in rows])
+
+
+# --- desynchronized collectives -------------------------------------------------------------
+
+#: What :func:`first_desync` returns where the logs differ: the sequence number, then each
+#: distinct entry at it (None: the log had ended) with the ranks whose log holds it.
+Desync = tuple[int, dict[CollectiveCall | None, tuple[int, ...]]]
+
+
+def first_desync(logs: Sequence[Sequence[CollectiveCall]]) -> Desync | None:
+    """The first collective at which the ranks' logs differ, read after the job: ``logs[r]``
+    holds what rank ``r`` issued on one group, in order (the k-th entry has ``seq`` k).
+
+    Two ranks agree on collective k when their k-th entries are equal (operation, shape,
+    dtype, root and call site); a log that has ended has None there. Returns None when every
+    log is the same, else ``(k, sides)``: ``sides`` maps each distinct k-th entry to the ranks
+    that hold it, ascending. Cost: one pass over the entries, O(N x length)."""
+    longest = max((len(log) for log in logs), default=0)
+    for index in range(longest):
+        sides: dict[CollectiveCall | None, list[int]] = {}
+        for rank, log in enumerate(logs):
+            sides.setdefault(log[index] if index < len(log) else None, []).append(rank)
+        if len(sides) > 1:
+            return index + 1, {call: tuple(ranks) for call, ranks in sides.items()}
+    return None
+
+
+#: How rank 1 breaks the step's promise: it skips the gradient's all-reduce, issues the
+#: loss's first, or all-reduces a gradient of 5 elements instead of 4.
+DESYNC_KINDS = ("skip", "swap", "shape")
+#: Who looks on: nobody, torch's TORCH_DISTRIBUTED_DEBUG=DETAIL (set for the step's group), or
+#: labs' check_collectives=True.
+WATCHERS = ("none", "detail", "labs")
+
+
+class Recorder:
+    """A rank's log of the collectives it issues on ``group`` (a flight recorder): each
+    entry a :class:`~labs.collective_check.CollectiveCall` naming the line that issued it."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.log: list[CollectiveCall] = []
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        __tracebackhide__ = True  # noqa: F841 - labs' check names our caller's line, not ours
+        frame = traceback.extract_stack(limit=2)[0]
+        where = f'File "{os.path.basename(frame.filename)}", line {frame.lineno}, in ' \
+                f"{frame.name}\n    {frame.line}"
+        self.log.append(CollectiveCall(len(self.log) + 1, "all_reduce", tuple(tensor.shape),
+                                       str(tensor.dtype).removeprefix("torch."), None, where))
+        dist.all_reduce(tensor, group=self.group)
+
+
+def desync_step(recorder: Recorder, rank: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's two all-reduces, the gradient's then the loss's, with rank 1 breaking the
+    promise as ``kind`` says. Rank r holds a gradient of r + 1 and a loss of 10 (r + 1)."""
+    grad = torch.full((4,), float(rank + 1))
+    loss = torch.full((4,), 10.0 * (rank + 1))
+    if rank == 1 and kind == "swap":
+        recorder.all_reduce(loss)
+        recorder.all_reduce(grad)
+        return grad, loss
+    if rank == 1 and kind == "shape":
+        grad = torch.full((5,), float(rank + 1))
+    if not (rank == 1 and kind == "skip"):
+        recorder.all_reduce(grad)
+    recorder.all_reduce(loss)
+    return grad, loss
 
 
 @dataclass(frozen=True)
-class StragglerSettings:
-    """N ranks, ``steps`` timed steps, delays of mean ``mean_s`` before each."""
+class StepOutcome:
+    """How one rank's step ended."""
 
-    mean_s: float = 0.03
-    steps: int = 12
-    width: int = 64
-    batch: int = 16
-    link: Link = Link(alpha=2e-4, bandwidth=1e9)
-    seed: int = 0
-
-    def delays(self, world_size: int) -> list[list[float]]:
-        """``delays[step][rank]``: the seconds each rank sleeps before each step (the first
-        row is the untimed step's: zeros)."""
-        rows = [[0.0] * world_size]
-        for step in range(1, self.steps + 1):
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + step)
-            draws = torch.empty(world_size).exponential_(1.0, generator=generator)
-            rows.append([self.mean_s * float(d) for d in draws])
-        return rows
+    rank: int
+    log: tuple[CollectiveCall, ...]
+    sums_right: bool | None
+    """Whether both sums were right (None: the step raised)."""
+    error: str
+    """The error's type and message ('' when the step returned)."""
+    seconds: float
 
 
-def harmonic(n: int) -> float:
-    """H_n = 1 + 1/2 + ... + 1/n: the expected largest of n exponential draws of mean 1."""
-    return sum(1.0 / k for k in range(1, n + 1))
+def desync_worker(rank: int, world_size: int, kind: str, watcher: str,
+                  group_timeout_s: float) -> StepOutcome:
+    """One step of :func:`desync_step` on a group of its own, its outcome kept, not raised."""
+    if watcher == "detail":  # what TORCH_DISTRIBUTED_DEBUG=DETAIL sets, for the group below
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    group = dist.new_group(timeout=timedelta(seconds=group_timeout_s))
+    recorder = Recorder(group)
+    started = time.perf_counter()
+    try:
+        grad, loss = desync_step(recorder, rank, kind)
+    except Exception as err:  # noqa: BLE001 - what the step raised is the lesson
+        return StepOutcome(rank, tuple(recorder.log), None,
+                           f"{type(err).__name__}: {str(err).strip()[:2000]}",
+                           time.perf_counter() - started)
+    total = world_size * (world_size + 1) / 2
+    right = grad.numel() == 4 and bool((grad == total).all() and (loss == 10 * total).all())
+    return StepOutcome(rank, tuple(recorder.log), right, "", time.perf_counter() - started)
 
 
-def straggler_worker(rank: int, world_size: int, config: StragglerSettings,
-                     delayed: bool) -> list[float]:
-    """Each timed step on this rank (a barrier first; with ``delayed`` a sleep of this rank's
-    delay, then forward, backward, the all-reduces and the optimizer step)."""
-    torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(config.width, config.width), nn.Tanh(),
-                              nn.Linear(config.width, config.width)))
+@dataclass(frozen=True)
+class DesyncRow:
+    """One kind of desync under one watcher."""
+
+    kind: str
+    watcher: str
+    outcomes: tuple[StepOutcome, ...]
+    """Every rank's, when the job ended without a crash."""
+    crash: str
+    """When a rank's process died (gloo aborts on some mismatches): launch's first line and
+    what the transport wrote last ('' otherwise)."""
+
+    def seen(self, rank: int) -> str:
+        """How rank ``rank``'s step ended, in a few words."""
+        if self.crash:
+            return "aborted" if f"rank {rank} " in self.crash.splitlines()[0] else "-"
+        outcome = self.outcomes[rank]
+        if not outcome.error:
+            return "right sums" if outcome.sums_right else "wrong sums, no error"
+        error = outcome.error.splitlines()[0]
+        for needle, words in _SAID:
+            if needle in error:
+                return words
+        if error.startswith("CollectiveMismatch"):
+            return f"CollectiveMismatch at {error.split()[2]}"
+        return error.split(":")[0]
+
+    @property
+    def seconds(self) -> float | None:
+        """When the slowest rank's step ended (None after a crash)."""
+        return max(o.seconds for o in self.outcomes) if self.outcomes else None
+
+
+#: What a rank's error says, in a few words.
+_SAID = (("Timed out waiting", "gloo timed out"),
+         ("failed to pass monitoredBarrier", "monitored_barrier: rank 1 missing"),
+         ("Detected mismatch between collectives", "fingerprints differ"))
+
+
+def run_desync(kind: str, watcher: str, world_size: int = 2, group_timeout_s: float = 2.0,
+               timeout: float = 60.0) -> DesyncRow:
+    """One step of ``kind`` under ``watcher`` on ``world_size`` ranks."""
+    if kind not in DESYNC_KINDS or watcher not in WATCHERS:
+        raise ValueError(f"kind must be one of {DESYNC_KINDS} and watcher one of {WATCHERS}, "
+                         f"got {kind!r} and {watcher!r}.")
+    try:
+        outcomes = launch(desync_worker, world_size, args=(kind, watcher, group_timeout_s),
+                          backend="gloo", timeout=timeout, echo=False,
+                          check_collectives=watcher == "labs")
+    except RankError as err:
+        said = [line.strip() for line in str(err).splitlines() if "mismatch" in line]
+        crash = str(err).splitlines()[0] + (f"\n  {said[0]}" if said else "")
+        return DesyncRow(kind, watcher, (), crash)
+    return DesyncRow(kind, watcher, tuple(outcomes), "")
+
+
+def desync_table(rows: Sequence[DesyncRow]) -> str:
+    """Each kind under each watcher: how every rank's step ended, and when."""
+    names = {"none": "nobody", "detail": "DETAIL", "labs": "check_collectives"}
+    width = max(len(r.outcomes) for r in rows) if rows else 2
+    return format_table(
+        ["rank 1", "watcher", *(f"rank {k}" for k in range(width)), "ended after (s)"],
+        [[r.kind, names[r.watcher], *(r.seen(k) for k in range(width)),
+          "" if r.seconds is None else f"{r.seconds:.2f}"] for r in rows])
+
+
+# --- what watching costs ----------------------------------------------------------------------
+
+#: The all-reduces :func:`checking_cost` times (bytes).
+COST_SIZES = (4 << 10, 1 << 20)
+
+
+def cost_worker(rank: int, world_size: int, watcher: str, repeats: int,
+                settings: StepSettings) -> list[float]:
+    """The median seconds of one all-reduce of each of :data:`COST_SIZES`, back to back, then
+    of one step of chapter 5's MLP under labs' DDP, on a group that ``watcher`` watches."""
+    if watcher == "detail":
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    group = dist.new_group()  # wrapped by torch's checks when DETAIL is set
+    out = []
+    for nbytes in COST_SIZES:
+        x = torch.ones(nbytes // 4)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(x, group=group)
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times))
+    model = DDP(mlp(settings), settings.bucket_cap_mb, process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(config.batch, config.width, generator=torch.Generator().manual_seed(rank))
-    delays = config.delays(world_size)
-    seconds = []
-    for step in range(config.steps + 1):
-        dist.barrier()
+    x = torch.randn(settings.batch, settings.width, generator=torch.Generator().manual_seed(rank))
+    times = []
+    for step in range(settings.warmup + settings.steps):
         start = time.perf_counter()
-        if delayed:
-            time.sleep(delays[step][rank])
         model(x).square().mean().backward()
         model.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step:
-            seconds.append(time.perf_counter() - start)
-    return seconds
+        if step >= settings.warmup:
+            times.append(time.perf_counter() - start)
+    out.append(statistics.median(times))
+    return out
 
 
 @dataclass(frozen=True)
-class StragglerRow:
-    """One world size: steps without and with delays, and what the delays predict."""
+class CostRow:
+    """One thing timed, under each watcher: median seconds, the slowest rank's."""
 
-    world_size: int
-    base: tuple[float, ...]
-    """Each step without delays, the slowest rank's."""
-    delayed: tuple[float, ...]
-    """Each step with delays, the slowest rank's."""
-    largest: tuple[float, ...]
-    """Each step's largest delay (drawn before the run)."""
-    mean_s: float
-
-    @property
-    def predicted(self) -> float:
-        """The median step without delays plus the mean of each step's largest delay."""
-        return statistics.median(self.base) + statistics.mean(self.largest)
-
-    @property
-    def expected(self) -> float:
-        """The median step without delays plus mean x H_N (the expectation)."""
-        return statistics.median(self.base) + self.mean_s * harmonic(self.world_size)
-
-    @property
-    def measured(self) -> float:
-        return statistics.mean(self.delayed)
+    what: str
+    seconds: dict[str, float]
 
 
-def measure_stragglers(world_sizes: Sequence[int] = (2, 4, 8),
-                       config: StragglerSettings = StragglerSettings(),
-                       timeout: float = 120.0) -> list[StragglerRow]:
-    """Each world size twice on ``config.link``: without delays, then with them."""
-    bad = [n for n in world_sizes if isinstance(n, bool) or not isinstance(n, int) or n < 2]
-    if bad or not world_sizes:
-        raise ValueError(f"world_sizes must be ints >= 2, got {list(world_sizes)}.")
-    rows = []
-    for n in world_sizes:
-        steps = {}
-        for delayed in (False, True):
-            per_rank = launch(straggler_worker, n, args=(config, delayed), link=config.link,
-                              backend="gloo", timeout=timeout, echo=False)
-            steps[delayed] = tuple(max(r[k] for r in per_rank) for k in range(config.steps))
-        largest = tuple(max(row) for row in config.delays(n)[1:])
-        rows.append(StragglerRow(n, steps[False], steps[True], largest, config.mean_s))
-    return rows
+def checking_cost(world_size: int = 2, repeats: int = 100,
+                  settings: StepSettings = StepSettings(steps=30)) -> list[CostRow]:
+    """What each watcher adds to an all-reduce and to chapter 5's DDP step (gloo): one launch
+    per watcher."""
+    if world_size < 2 or repeats < 1:
+        raise ValueError("world_size must be >= 2 and repeats >= 1.")
+    slowest = {}
+    for watcher in WATCHERS:
+        per_rank = launch(cost_worker, world_size, args=(watcher, repeats, settings),
+                          backend="gloo", echo=False, timeout=300,
+                          check_collectives=watcher == "labs")
+        slowest[watcher] = [max(column) for column in zip(*per_rank, strict=True)]
+    names = [f"all_reduce of {n >> 10} KiB" for n in COST_SIZES] + [
+        f"chapter 5's DDP step (MLP {settings.layers} x {settings.width})"]
+    return [CostRow(name, {w: slowest[w][i] for w in WATCHERS}) for i, name in enumerate(names)]
 
 
-def expected_largest(mean_s: float, world_size: int) -> float:
-    """``mean_s`` x H_N."""
-    if world_size < 1 or not mean_s >= 0 or math.isinf(mean_s):
-        raise ValueError("world_size must be >= 1 and mean_s a finite number >= 0.")
-    return mean_s * harmonic(world_size)
+def cost_table(rows: Sequence[CostRow]) -> str:
+    """Each thing timed: unchecked, under DETAIL, under check_collectives (µs), and the
+    differences."""
+    def us(seconds: float) -> str:
+        return f"{seconds * 1e6:.0f}"
+
+    return format_table(
+        ["", "unchecked (µs)", "DETAIL", "check_collectives", "DETAIL adds",
+         "check_collectives adds"],
+        [[r.what, us(r.seconds["none"]), us(r.seconds["detail"]), us(r.seconds["labs"]),
+          f"{(r.seconds['detail'] - r.seconds['none']) * 1e6:+.0f}",
+          f"{(r.seconds['labs'] - r.seconds['none']) * 1e6:+.0f}"] for r in rows])

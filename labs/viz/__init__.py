@@ -10,5 +10,6 @@
 * :mod:`labs.viz.activations` and :mod:`labs.viz.recipe` - chapter 7: activation bytes per
   layer, the recipe's loss curves and memory budget;
 * :mod:`labs.viz.mesh` - chapter 8: the mesh's ranks and groups, drawn;
+* :mod:`labs.viz.faults` - chapter 9: a step with a rank late, stragglers' steps;
 * :mod:`labs.viz.widgets` - the widget panels, one module per chapter.
 """

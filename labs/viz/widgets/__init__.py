@@ -13,11 +13,13 @@ calculators are arithmetic: in the book they compute in the browser
 * :mod:`~labs.viz.widgets.ddp` - chapter 5: :func:`ddp_panel`;
 * :mod:`~labs.viz.widgets.zero` - chapter 6: :func:`memory_calculator`, :func:`zero_panel`;
 * :mod:`~labs.viz.widgets.recipe` - chapter 7: :func:`budget_calculator`, :func:`recipe_panel`;
-* :mod:`~labs.viz.widgets.topology` - chapter 8: :func:`topology_panel`.
+* :mod:`~labs.viz.widgets.topology` - chapter 8: :func:`topology_panel`;
+* :mod:`~labs.viz.widgets.faults` - chapter 9: :func:`death_panel`.
 """
 
 from labs.viz.widgets.collectives import collective_panel, panel_settings, sweep_command
 from labs.viz.widgets.ddp import ddp_panel
+from labs.viz.widgets.faults import death_panel
 from labs.viz.widgets.recipe import budget_calculator, recipe_panel
 from labs.viz.widgets.topology import topology_panel
 from labs.viz.widgets.toy import toy_allreduce_panel
@@ -27,6 +29,7 @@ __all__ = [
     "budget_calculator",
     "collective_panel",
     "ddp_panel",
+    "death_panel",
     "memory_calculator",
     "panel_settings",
     "recipe_panel",
