@@ -446,3 +446,14 @@ def test_cli_ddp_and_fsdp_benchmarks_print_their_tables(capsys):
     assert out.count("x\n") >= 1 and "FSDP (ZeRO-3)" in out, out
     assert "of the bytes (target <= 1/3)" in out and "bf16 compute, fp32 reduce" in out, out
     assert "prefetch 1 vs 0 (reshard on)" in out and "model / measured" in out, out
+
+
+@pytest.mark.slow  # chapter 9 runs each of these measurements; here the command line prints them
+def test_bench_faults_prints_the_cost_the_deaths_and_the_stragglers(capsys):
+    bench.main(["faults", "--repeats", "5", "--group-timeout", "1", "--straggler-sizes", "2"])
+    out = capsys.readouterr().out
+    for title in ("What watching collectives costs", "A rank killed or stopped",
+                  "Stragglers: an exponential delay"):
+        assert title in out, out
+    assert out.count("RankDied") == 2 and out.count("PeerLost") == 2  # killed x2, stopped x2
+    assert "check_collectives adds" in out and "H_N" in out

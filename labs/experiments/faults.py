@@ -342,6 +342,8 @@ def cost_worker(rank: int, world_size: int, watcher: str, repeats: int,
     out = []
     for nbytes in COST_SIZES:
         x = torch.ones(nbytes // 4)
+        for _ in range(10):  # warm-up: the first calls set up the transport's buffers
+            dist.all_reduce(x, group=group)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -372,21 +374,25 @@ class CostRow:
     seconds: dict[str, float]
 
 
-def checking_cost(world_size: int = 2, repeats: int = 100,
-                  settings: StepSettings = StepSettings(steps=30)) -> list[CostRow]:
+def checking_cost(world_size: int = 2, repeats: int = 60, rounds: int = 3,
+                  settings: StepSettings = StepSettings(steps=20)) -> list[CostRow]:
     """What each watcher adds to an all-reduce and to chapter 5's DDP step (gloo): one launch
-    per watcher."""
-    if world_size < 2 or repeats < 1:
-        raise ValueError("world_size must be >= 2 and repeats >= 1.")
-    slowest = {}
-    for watcher in WATCHERS:
-        per_rank = launch(cost_worker, world_size, args=(watcher, repeats, settings),
-                          backend="gloo", echo=False, timeout=300,
-                          check_collectives=watcher == "labs")
-        slowest[watcher] = [max(column) for column in zip(*per_rank, strict=True)]
+    per watcher per round, the watchers taking turns (none, DETAIL, labs' check) so that a
+    slow moment of the machine falls on each alike; each figure is the median over the
+    rounds of the slower rank's median."""
+    if world_size < 2 or repeats < 1 or rounds < 1:
+        raise ValueError("world_size must be >= 2, repeats and rounds >= 1.")
+    runs: dict[str, list[list[float]]] = {w: [] for w in WATCHERS}
+    for _ in range(rounds):
+        for watcher in WATCHERS:
+            per_rank = launch(cost_worker, world_size, args=(watcher, repeats, settings),
+                              backend="gloo", echo=False, timeout=300,
+                              check_collectives=watcher == "labs")
+            runs[watcher].append([max(column) for column in zip(*per_rank, strict=True)])
     names = [f"all_reduce of {n >> 10} KiB" for n in COST_SIZES] + [
         f"chapter 5's DDP step (MLP {settings.layers} x {settings.width})"]
-    return [CostRow(name, {w: slowest[w][i] for w in WATCHERS}) for i, name in enumerate(names)]
+    return [CostRow(name, {w: statistics.median(r[i] for r in runs[w]) for w in WATCHERS})
+            for i, name in enumerate(names)]
 
 
 def cost_table(rows: Sequence[CostRow]) -> str:
