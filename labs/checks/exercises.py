@@ -82,6 +82,25 @@ class ExerciseSpec:
         return getattr(importlib.import_module(self.module), self.check)
 
 
+class ExerciseRow:
+    """What an Enum of one chapter's exercises (its values are the ids, ``"9.1"``) reads from
+    its row of the table: mix it in before ``enum.Enum``."""
+
+    value: str
+
+    @property
+    def function(self) -> str:
+        return spec(self.value).function
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        return spec(self.value).parameters
+
+    @property
+    def title(self) -> str:
+        return spec(self.value).title
+
+
 # --- the answer keys several exercises share ------------------------------------------------
 
 #: labs' all-reduces, each one exercise 2.1's answer (and 4.2's).

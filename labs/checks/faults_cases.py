@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labs.checks.core import CaseKeys, CheckPlan, and_listed, listed, with_drawn_world_size
-from labs.checks.exercises import spec
+from labs.checks.exercises import ExerciseRow
 from labs.collective_check import CollectiveCall
 
 #: What 9.1 answers where the logs differ: the 1-based sequence number, then each distinct
@@ -35,7 +35,7 @@ from labs.collective_check import CollectiveCall
 Desync = tuple[int, dict[CollectiveCall | None, tuple[int, ...]]]
 
 
-class FaultsExercise(enum.Enum):
+class FaultsExercise(ExerciseRow, enum.Enum):
     """The exercises of chapter 9."""
 
     #: ``find_desync(logs) -> None | (k, sides)``: the first collective at which the ranks'
@@ -44,18 +44,6 @@ class FaultsExercise(enum.Enum):
     #: ``join_step(model, batch, lr) -> bool``: one step of every rank under a join protocol,
     #: ``batch`` None on a rank that has run out.
     JOIN_STEP = "9.2"
-
-    @property
-    def function(self) -> str:
-        return spec(self.value).function
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return spec(self.value).parameters
-
-    @property
-    def title(self) -> str:
-        return spec(self.value).title
 
 
 # --- 9.1: the training script every log comes from ------------------------------------------

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from labs.checks.core import CheckPlan, case_values, listed, with_drawn_world_size
-from labs.checks.exercises import spec
+from labs.checks.exercises import ExerciseRow
 from labs.checks.zero_cases import pad_flat, shard_of
 from labs.fsdp import units_to_prefetch
 from labs.models import TiedNet
@@ -52,7 +52,7 @@ TIED_VOCAB, TIED_DIM = 5, 3
 _DRAWN_WORLD_SIZES = (5, 6)
 
 
-class PracticeExercise(enum.Enum):
+class PracticeExercise(ExerciseRow, enum.Enum):
     """The exercises of chapter 7 that these checks run."""
 
     #: ``clip_shards_(grads, max_norm) -> total norm``: clip_grad_norm_ across FSDP's shards.
@@ -63,18 +63,6 @@ class PracticeExercise(enum.Enum):
     #: ``units_to_prefetch(order, current, prefetch) -> [name, ...]``: which units' all-gathers
     #: FSDP starts when unit ``current`` starts computing.
     PREFETCH = "7.3"
-
-    @property
-    def function(self) -> str:
-        return spec(self.value).function
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return spec(self.value).parameters
-
-    @property
-    def title(self) -> str:
-        return spec(self.value).title
 
 
 # --- 7.1: clipping across shards -------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from labs.checks.core import CheckPlan, case_values, with_drawn_world_size
-from labs.checks.exercises import spec
+from labs.checks.exercises import ExerciseRow
 from labs.collectives import shard_bounds
 from labs.grid import GridLayout, node_layout
 
@@ -36,7 +36,7 @@ _DRAWN_MLP_WORLD_SIZES = (3,)
 _F32 = 4  #: bytes per element of the checks' tensors (float32)
 
 
-class TopologyExercise(enum.Enum):
+class TopologyExercise(ExerciseRow, enum.Enum):
     """The exercises of chapter 8 that these checks run."""
 
     #: ``hierarchical_all_reduce_(tensor, node_group, cross_group)``: the sum over every rank,
@@ -45,18 +45,6 @@ class TopologyExercise(enum.Enum):
     #: ``tp_mlp_forward(x, w1, b1, w2, b2) -> output``: one rank of a column-then-row
     #: parallel MLP, forward only, with one all-reduce.
     TP_MLP_FORWARD = "8.2"
-
-    @property
-    def function(self) -> str:
-        return spec(self.value).function
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return spec(self.value).parameters
-
-    @property
-    def title(self) -> str:
-        return spec(self.value).title
 
 
 # --- 8.1: the hierarchical all-reduce ---------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from labs.checks.core import CheckPlan, case_values, with_drawn_world_size
-from labs.checks.exercises import spec
+from labs.checks.exercises import ExerciseRow
 from labs.zero import shard_numel
 
 STEPS = 3  #: steps of exercise 6.1 per case
@@ -34,7 +34,7 @@ LINEARS = ((1, 1), (3, 2), (4, 3), (6, 5))
 _DRAWN_WORLD_SIZES = (5, 6)
 
 
-class ZeroExercise(enum.Enum):
+class ZeroExercise(ExerciseRow, enum.Enum):
     """The exercises of chapter 6 that these checks run."""
 
     #: ``sharded_sgd_step(params, momentum_shards, lr, beta)``: ZeRO-1's step.
@@ -50,17 +50,6 @@ class ZeroExercise(enum.Enum):
     #: grad_shard)``: one FSDP unit's backward (:mod:`labs.checks.zero_grad`).
     FSDP_BACKWARD = "6.5"
 
-    @property
-    def function(self) -> str:
-        return spec(self.value).function
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return spec(self.value).parameters
-
-    @property
-    def title(self) -> str:
-        return spec(self.value).title
 
     @property
     def collective(self) -> str:
