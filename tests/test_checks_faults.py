@@ -130,6 +130,7 @@ def test_the_join_reference_is_labs_ddp_join_on_the_check_batches():
 # --- right answers ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # nbval compares this verdict (chapter 9's check cell)
 def test_right_find_desync_passes_with_the_documented_verdict(capsys):
     result = check_find_desync(find_desync)
     assert result.passed, result.message

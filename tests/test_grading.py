@@ -559,6 +559,7 @@ def test_a_broken_cell_fails_its_exercise_within_the_limit(tmp_path, no_leftover
     assert reason in report.notebooks[0].exercises[0].reason, report.table()
 
 
+@pytest.mark.slow  # make test's mutation (a check printing FAIL against PASS) shows it live too
 def test_nbval_decides_a_check_printing_pass_fails_against_a_reference_expecting_fail(
         tmp_path, no_leftovers):
     """Shows the comparison with the reference's stored output is live: here the reference
