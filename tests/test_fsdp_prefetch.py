@@ -116,12 +116,14 @@ def test_keeping_parameters_after_forward_runs_no_all_gather_in_backward():
 
 # --- overlap on the emulated link --------------------------------------------------------------
 
-#: Seconds of "compute" in every block's forward and again in its backward: far longer than a
-#: collective on :data:`LINK` (about alpha, the units are tiny), so that a prefetched gather
-#: queued behind a reduce-scatter on the one stream still starts inside the compute it
-#: overlaps, even on a loaded machine.
-COMPUTE = 0.1
-LINK = labs.Link(alpha=5e-3, bandwidth=12.5e6)
+#: Seconds of "compute" in every block's forward and again in its backward. A collective on
+#: :data:`LINK` takes about alpha (the units are tiny), half of it, which leaves both timing
+#: checks a margin of about alpha against a stall of a loaded machine: unit 2's reduce-scatter
+#: still travels when unit 1's backward starts, and unit 0's prefetched gather, queued behind
+#: it on the one stream, still starts inside unit 1's backward. (With alpha = 5 ms the first
+#: margin fell to 0.4 ms with three busy processes beside the test, and CI once saw it lost.)
+COMPUTE = 0.15
+LINK = labs.Link(alpha=COMPUTE / 2, bandwidth=12.5e6)
 
 
 class Busy(torch.autograd.Function):
