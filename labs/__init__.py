@@ -8,8 +8,10 @@ order:
   Beneath it :mod:`labs.launch_inputs` (what ``launch`` accepts, refused before any process
   starts), :mod:`labs.rank_results` (what a launch hands back), :mod:`labs.rank_errors` (what
   a failed or hung rank reports),
-  :mod:`labs.rank_pickle` (how a notebook's function reaches the ranks) and
-  :mod:`labs.torchrun` (the same labs under torchrun).
+  :mod:`labs.rank_pickle` (how a notebook's function reaches the ranks),
+  :mod:`labs.torchrun` (the same labs under torchrun), :mod:`labs.staging` (how ranks
+  that share a GPU move CUDA tensors over gloo) and :mod:`labs.clock` (timings that wait for
+  the GPU's queued work).
 * :mod:`labs.toy_allreduce` - chapter 1: the toy all-reduce and a tiny language model.
 * :mod:`labs.collectives` - chapters 2-4: all-reduce, reduce-scatter and all-gather built from
   point-to-point messages (naive, ring, recursive doubling; Rabenseifner's halving-doubling in
@@ -53,7 +55,9 @@ and :mod:`labs.grading` (``python -m labs.grading release|grade``, for instructo
 from labs.launcher import (
     MAX_WORLD_SIZE,
     Backend,
+    Device,
     LaunchTimeout,
+    Placement,
     RankError,
     RankResults,
     StartMethod,
@@ -66,8 +70,10 @@ from labs.link import Link, Topology
 __all__ = [
     "MAX_WORLD_SIZE",
     "Backend",
+    "Device",
     "LaunchTimeout",
     "Link",
+    "Placement",
     "RankError",
     "RankResults",
     "StartMethod",

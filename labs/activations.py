@@ -403,7 +403,8 @@ def check_positive(**values: object) -> None:
 
 
 def activation_bytes(batch: int, seq_len: int, d_model: int, n_heads: int, n_layers: int,
-                     vocab: int, *, element_size: int = 4, checkpointing: bool = False) -> int:
+                     vocab: int, *, element_size: int = 4, checkpointing: bool = False,
+                     device_type: str = "cpu") -> int:
     """Bytes of activations that one forward pass of :class:`labs.train.TinyTransformer`
     (and its cross-entropy loss) leaves for backward: the closed form of both measures.
 
@@ -448,6 +449,11 @@ def activation_bytes(batch: int, seq_len: int, d_model: int, n_heads: int, n_lay
     in the checkpoint's closure: B·T·L·D·e + 8·T + B·T·(2·D + 2 + V)·e + e (the RNG state
     that checkpoint stashes per block is not in it: see the module's docstring).
     Parameters are not activations: the tied head weight is the model's storage.
+
+    ``device_type="cuda"``: CUDA's LayerNorm kernel keeps its mean and rstd in float32 (its
+    accumulation type) whatever the compute dtype, so each of the statistics terms above
+    (4 per token per block, 2 for ``ln_f``) counts s = max(e, 4) bytes instead of e: in bf16,
+    4·(4·L + 2) bytes more per token than on the CPU, whose kernel keeps them in bf16.
     """
     check_positive(batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads,
                     n_layers=n_layers, vocab=vocab)
@@ -459,11 +465,14 @@ def activation_bytes(batch: int, seq_len: int, d_model: int, n_heads: int, n_lay
                          f"fp32, 2 for bf16), got {element_size!r}.")
     if not isinstance(checkpointing, bool):
         raise ValueError(f"checkpointing must be True or False, got {checkpointing!r}.")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}.")
     tokens, e = batch * seq_len, element_size
-    outside = 8 * seq_len + tokens * (2 * d_model + 2 + vocab) * e + e
+    stats = max(e, 4) if device_type == "cuda" else e  # bytes of one LayerNorm mean or rstd
+    outside = 8 * seq_len + tokens * ((2 * d_model + vocab) * e + 2 * stats) + e
     if checkpointing:
         return tokens * n_layers * d_model * e + outside
-    per_block = tokens * (16 * d_model + n_heads * seq_len + 4) * e + seq_len * seq_len
+    per_block = tokens * ((16 * d_model + n_heads * seq_len) * e + 4 * stats) + seq_len ** 2
     return n_layers * per_block + outside
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labs import staging
 from labs.collectives import Recorder, ring_all_gather, ring_reduce_scatter
 from labs.fsdp_timeline import Activity, FSDPTimeline, Interval
 
@@ -85,6 +86,8 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessG
                     ) -> Any:
     """torch.distributed's all-gather of equal shards into ``out``, asynchronously."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if staging.needed(shard, str(dist.get_backend(group))):
+        return staging.staged(fn, out, shard, group=group, async_op=True)
     return fn(out, shard, group=group, async_op=True)
 
 
@@ -98,13 +101,23 @@ def reduce_scatter_from(full_grad: torch.Tensor, world_size: int,
     pieces that arrive, the direct algorithm: (N-1)/N x S sent per rank, as in the ring, in
     the background, at the cost of an S-sized receive buffer while it is in flight."""
     shard_numel = full_grad.numel() // world_size
-    if world_size > 1 and dist.get_backend(group) == "gloo":
+    backend = str(dist.get_backend(group))
+    # Ranks sharing a GPU under gloo: the tensors go through host memory (labs.staging).
+    start = staging.staged if staging.needed(full_grad, backend) else _unstaged
+    if world_size > 1 and backend == "gloo":
         received = torch.empty_like(full_grad)
-        work = dist.all_to_all_single(received, full_grad, group=group, async_op=True)
+        work = start(dist.all_to_all_single, received, full_grad, group=group, async_op=True)
         return Reduction(work, full_grad, received, world_size)
     out = torch.empty(shard_numel, dtype=full_grad.dtype, device=full_grad.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return Reduction(fn(out, full_grad, group=group, async_op=True), full_grad, out, 1)
+    return Reduction(start(fn, out, full_grad, group=group, async_op=True), full_grad, out, 1)
+
+
+def _unstaged(collective: Callable[..., Any], out: torch.Tensor, tensor: torch.Tensor,
+              **kwargs: Any) -> Any:
+    """``collective(out, tensor, **kwargs)``: :func:`labs.staging.staged`'s signature, for a
+    backend that carries the tensors itself."""
+    return collective(out, tensor, **kwargs)
 
 
 def gather_on_stream(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None,

@@ -1,13 +1,14 @@
-"""What :func:`labs.launcher.launch` accepts, refused before any process starts, and the
-backend and threads it picks for the ranks.
+"""What :func:`labs.launcher.launch` accepts, refused before any process starts, and where
+it puts the ranks: their backend, their device and their threads.
 
 :func:`check_inputs` refuses a bad worker, world size, ``args`` or timeout with a message that
-says what to pass, and picks the backend (:func:`choose_backend`: nccl when every rank can
-have a GPU of its own, gloo otherwise); :func:`threads_per_rank` shares the machine's cores
-(:func:`cpu_cores`) among the ranks. Nothing here starts a process: a notebook's mistake is
-an error in the calling cell, not a rank that fails. Kept apart from the launcher's process
-handling (:mod:`labs.launcher`); ``from labs.launcher import Backend, cpu_cores, ...`` keeps
-working.
+says what to pass, and places the ranks (:func:`choose_placement`, one rule: nccl when every
+rank can have a GPU of its own and no emulated link is asked for; otherwise gloo, with the
+ranks sharing the GPUs there are, or on the CPU when there are none);
+:func:`threads_per_rank` shares the machine's cores (:func:`cpu_cores`) among the ranks.
+Nothing here starts a process: a notebook's mistake is an error in the calling cell, not a
+rank that fails. Kept apart from the launcher's process handling (:mod:`labs.launcher`);
+``from labs.launcher import Backend, cpu_cores, ...`` keeps working.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import enum
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,16 +29,57 @@ MAX_WORLD_SIZE = 32
 class Backend(enum.Enum):
     """A torch.distributed backend the launcher can start."""
 
-    GLOO = "gloo"  #: CPU tensors; works everywhere.
+    #: Works everywhere: CPU tensors, and the CUDA tensors of ranks that share GPUs (its own
+    #: collectives carry them; labs' point-to-point messages stage them through host memory,
+    #: :mod:`labs.staging`).
+    GLOO = "gloo"
     NCCL = "nccl"  #: CUDA tensors, one GPU per rank.
 
 
+class Device(enum.Enum):
+    """Where the ranks' tensors live, as :func:`labs.launch` is asked (``device=``)."""
+
+    #: A GPU when the machine has one (their own each, or shared), else the CPU.
+    AUTO = "auto"
+    CPU = "cpu"  #: The CPU, on a machine with GPUs too (gloo).
+    CUDA = "cuda"  #: A GPU: an error where there is none.
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The backend of a launch's ranks and the GPUs they use.
+
+    ``gpus`` is 0 when the ranks compute on the CPU. Otherwise rank r uses
+    ``cuda:(r % gpus)``: one GPU each under nccl (``gpus`` = the ranks), and under gloo
+    several ranks share a GPU when there are fewer GPUs than ranks (the one-GPU mode)."""
+
+    backend: Backend
+    gpus: int = 0
+
+    def device(self, local_rank: int) -> torch.device:
+        """Where the tensors of the rank with this local rank belong."""
+        if self.gpus == 0:
+            return torch.device("cpu")
+        return torch.device("cuda", local_rank % self.gpus)
+
+    def describe(self, ranks: int) -> str:
+        """One line to print under a table: the backend and where ``ranks`` ranks computed."""
+        if self.gpus == 0:
+            return f"{self.backend.value}, {ranks} rank(s) on the CPU"
+        if self.backend is Backend.NCCL:
+            return f"{self.backend.value}, {ranks} rank(s), one GPU each"
+        shared = "sharing one GPU" if self.gpus == 1 else f"sharing {self.gpus} GPUs"
+        return (f"{self.backend.value}, {ranks} rank(s) {shared} (messages staged through "
+                "host memory)")
+
+
 def check_inputs(
-    fn: object, world_size: object, args: object, backend: object, timeout: object
-) -> Backend:
-    """The backend the ranks will use, once ``fn``, ``world_size``, ``args`` and ``timeout``
-    are known to be what :func:`labs.launcher.launch` takes; a TypeError or ValueError that
-    says what to pass otherwise."""
+    fn: object, world_size: object, args: object, backend: object, timeout: object,
+    device: object = Device.AUTO, *, link: bool = False,
+) -> Placement:
+    """Where the ranks will run, once ``fn``, ``world_size``, ``args`` and ``timeout`` are
+    known to be what :func:`labs.launcher.launch` takes; a TypeError or ValueError that says
+    what to pass otherwise. ``link``: the launch emulates a network (gloo only)."""
     if not callable(fn):
         raise TypeError(
             f"fn must be a function, got {type(fn).__name__}. Pass the function itself, "
@@ -65,7 +108,7 @@ def check_inputs(
         raise ValueError("timeout must be finite: a hung rank would otherwise hang the notebook.")
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it.")
-    return choose_backend(backend, world_size)
+    return choose_placement(backend, world_size, device, link=link)
 
 
 def check_rank_args(rank_args: object, world_size: int) -> None:
@@ -79,28 +122,45 @@ def check_rank_args(rank_args: object, world_size: int) -> None:
                          "give one per rank.")
 
 
-def choose_backend(backend: object, world_size: int, *, ranks: str = "world_size") -> Backend:
-    """The backend for ``world_size`` ranks on this machine, from the GPUs it has (``ranks``
-    names that number in the error message): :func:`pick_backend` decides."""
+def choose_placement(backend: object, ranks_here: int, device: object = Device.AUTO, *,
+                     link: bool = False, ranks: str = "world_size") -> Placement:
+    """The placement of ``ranks_here`` ranks on this machine, from the GPUs it has
+    (``ranks`` names that number in an error message): :func:`pick_placement` decides."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return pick_backend(backend, world_size, gpus, dist.is_nccl_available(), ranks=ranks)
+    return pick_placement(backend, ranks_here, gpus, dist.is_nccl_available(), device,
+                          link=link, ranks=ranks)
 
 
-def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bool, *,
-                 ranks: str = "world_size") -> Backend:
-    """``"auto"`` is nccl when each of the ``ranks_here`` processes on this machine can have a
-    GPU of its own, gloo otherwise; ``"nccl"`` without one GPU per process is an error.
+def pick_placement(backend: object, ranks_here: int, gpus: int, nccl_available: bool,
+                   device: object = Device.AUTO, *, link: bool = False,
+                   ranks: str = "world_size") -> Placement:
+    """One rule. ``backend="auto"`` is nccl when each of the ``ranks_here`` processes on this
+    machine can have a GPU of its own, the build has NCCL and no emulated ``link`` is asked
+    for (the link carries gloo's messages); otherwise gloo. ``device="auto"`` computes on the
+    GPUs whenever there is one, so that one machine's runs never mix devices between the rows
+    of a table: 1 rank on nccl, 2-8 ranks on gloo sharing the one GPU. ``"nccl"`` without one
+    GPU per process, ``device="cuda"`` without a GPU and nccl on the CPU are errors.
 
     The answer depends only on numbers every process of a machine shares, so all of them
     pick the same backend: a process group whose ranks disagree waits forever."""
     names = {"auto", *(b.value for b in Backend)}
-    if isinstance(backend, Backend):
-        backend = backend.value
+    backend = backend.value if isinstance(backend, Backend) else backend
     if backend not in names:
         raise ValueError(f"backend must be one of {sorted(names)}, got {backend!r}.")
-    if backend == "auto":
-        return Backend.NCCL if gpus >= ranks_here and nccl_available else Backend.GLOO
+    devices = [d.value for d in Device]
+    device = device.value if isinstance(device, Device) else device
+    if device not in devices:
+        raise ValueError(f"device must be one of {devices}, got {device!r}.")
+    if device == Device.CUDA.value and gpus == 0:
+        raise ValueError("device='cuda' but no GPU is visible here; use device='cpu' "
+                         "(or 'auto', which takes the CPU when there is no GPU).")
     if backend == Backend.NCCL.value:
+        if device == Device.CPU.value:
+            raise ValueError("nccl carries CUDA tensors only; use backend='gloo' with "
+                             "device='cpu'.")
+        if link:
+            raise ValueError("the emulated link runs on gloo (ranks on one machine, one "
+                             "clock): pass backend='gloo' (or 'auto') with link=.")
         if gpus < ranks_here:
             raise ValueError(
                 f"NCCL needs one GPU per rank; use backend='gloo' "
@@ -108,7 +168,33 @@ def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bo
             )
         if not nccl_available:
             raise ValueError("this torch build has no NCCL; use backend='gloo'.")
-    return Backend(backend)
+        return Placement(Backend.NCCL, ranks_here)
+    on_gpus = 0 if device == Device.CPU.value else gpus
+    if backend == "auto" and on_gpus >= ranks_here and nccl_available and not link:
+        return Placement(Backend.NCCL, ranks_here)
+    return Placement(Backend.GLOO, min(on_gpus, ranks_here))
+
+
+def pick_backend(backend: object, ranks_here: int, gpus: int, nccl_available: bool, *,
+                 ranks: str = "world_size") -> Backend:
+    """The backend of :func:`pick_placement` with the device left to ``auto``."""
+    return pick_placement(backend, ranks_here, gpus, nccl_available, ranks=ranks).backend
+
+
+#: Set in every rank's environment by :func:`enter`: its device (``cuda:0``, ``cpu``), which
+#: :func:`labs.launcher.rank_device` reads, and whether every message is staged through host
+#: memory (:mod:`labs.staging`).
+DEVICE_VARIABLE, STAGING_VARIABLE = "LABS_DEVICE", "LABS_HOST_STAGING"
+
+
+def enter(placement: Placement, local_rank: int, *, host_staging: bool = False) -> None:
+    """Make this process the rank ``local_rank`` of ``placement`` on its machine, before its
+    group is made: its GPU the current device, and the variables above set."""
+    device = placement.device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ[DEVICE_VARIABLE] = str(device)
+    os.environ[STAGING_VARIABLE] = "1" if host_staging else "0"
 
 
 def cpu_cores() -> int:

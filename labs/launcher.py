@@ -65,13 +65,18 @@ from labs import collective_check, plain_results
 from labs import link as emulated
 from labs.collective_check import check_mode
 from labs.launch_inputs import (
+    DEVICE_VARIABLE,
     MAX_WORLD_SIZE,
     Backend,
+    Device,
+    Placement,
     check_inputs,
     check_rank_args,
-    choose_backend,
+    choose_placement,
     cpu_cores,
+    enter,
     pick_backend,
+    pick_placement,
     threads_per_rank,
 )
 from labs.link import Link, Topology
@@ -99,15 +104,18 @@ from labs.rank_results import (
 __all__ = [
     "MAX_WORLD_SIZE",
     "Backend",
+    "Device",
     "LaunchTimeout",
     "RankError",
     "RankFailure",
     "RankResults",
+    "Placement",
     "StartMethod",
-    "choose_backend",
+    "choose_placement",
     "cpu_cores",
     "launch",
     "pick_backend",
+    "pick_placement",
     "rank_device",
     "shutdown",
 ]
@@ -138,7 +146,7 @@ class _RankSpec:
 
     rank: int
     world_size: int
-    backend: Backend
+    placement: Placement
     threads: int
     timeout_s: float
     store_path: str  #: the FileStore every rank of this launch meets in
@@ -148,6 +156,7 @@ class _RankSpec:
     link: Link | Topology | None = None  #: the emulated wire of labs' point-to-point messages
     plain: bool = False  #: report as plain data (labs.plain_results), not as a pickle
     check: bool | str = False  #: check its collectives (labs.collective_check)
+    host_staging: bool = False  #: stage every message through host memory (labs.staging)
 
 
 def launch(
@@ -156,6 +165,8 @@ def launch(
     *,
     args: Sequence[Any] = (),
     backend: str = "auto",
+    device: str = "auto",
+    host_staging: bool = False,
     timeout: float = 60.0,
     echo: bool = True,
     threads: int | None = None,
@@ -182,8 +193,16 @@ def launch(
         rank_args: one tuple per rank, appended to ``args`` for that rank only:
             ``fn(rank, world_size, *args, *rank_args[rank])``. What one rank must not see of
             another's (an exercise check's hidden inputs) goes here.
-        backend: ``"auto"`` (nccl when there is one GPU per rank, gloo otherwise),
-            ``"gloo"`` or ``"nccl"``. Under nccl, rank k uses ``cuda:k``.
+        backend: ``"auto"`` (nccl when there is one GPU per rank and no ``link``, gloo
+            otherwise), ``"gloo"`` or ``"nccl"``. Under nccl, rank k uses ``cuda:k``.
+        device: ``"auto"`` (the GPUs when there is one, else the CPU), ``"cpu"`` or
+            ``"cuda"``: where :func:`rank_device` puts a rank's tensors. Ranks on gloo with
+            fewer GPUs than ranks share them (rank k on ``cuda:(k % GPUs)``): gloo's
+            collectives carry CUDA tensors, and labs' point-to-point messages and FSDP's
+            collectives go through pinned host buffers (:mod:`labs.staging`).
+            ``results.placement.describe()`` says what was chosen.
+        host_staging: stage every message through host memory even for CPU tensors: the
+            one-GPU mode's path, run where there is no GPU (the parity tests use it).
         timeout: seconds the ranks may run, counted once all of them have started; then
             those still running are killed and LaunchTimeout is raised.
         echo: print what each rank printed, prefixed ``[rank k]``, after the ranks finish.
@@ -217,7 +236,8 @@ def launch(
     """
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(_MAIN_GUARD)
-    chosen = check_inputs(fn, world_size, args, backend, timeout)
+    placement = check_inputs(fn, world_size, args, backend, timeout, device,
+                             link=link is not None)
     if isinstance(failure_grace, bool) or not isinstance(failure_grace, (int, float)) \
             or not 0 <= failure_grace < math.inf:
         raise ValueError(f"failure_grace must be a number of seconds >= 0, got "
@@ -226,14 +246,13 @@ def launch(
                                 or threads < 1):
         raise ValueError(f"threads must be a positive int (or None for cores / world_size), "
                          f"got {threads!r}.")
+    if not isinstance(host_staging, bool):
+        raise TypeError(f"host_staging must be True or False, got {host_staging!r}.")
     if link is not None and not isinstance(link, (Link, Topology)):
         raise TypeError(f"link must be a labs.Link or labs.Topology (or None), got "
                         f"{type(link).__name__}.")
     if isinstance(link, Topology):
         link.check(world_size)
-    if link is not None and chosen is not Backend.GLOO:
-        raise ValueError("the emulated link runs on gloo (ranks on one machine, one clock): "
-                         "pass backend='gloo' with link=.")
     if rank_args is not None:
         check_rank_args(rank_args, world_size)
     check = check_mode(check_collectives)
@@ -249,13 +268,13 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="labs-launch-") as tmp:
         specs = [
             _RankSpec(
-                rank=rank, world_size=world_size, backend=chosen,
+                rank=rank, world_size=world_size, placement=placement,
                 threads=threads or threads_per_rank(world_size), timeout_s=timeout,
                 store_path=str(Path(tmp) / "store"),
                 stdout_path=str(Path(tmp) / f"rank{rank}.out"),
                 stderr_path=str(Path(tmp) / f"rank{rank}.err"),
                 stack_path=str(Path(tmp) / f"rank{rank}.stack"), link=link,
-                plain=result_types is not None, check=check,
+                plain=result_types is not None, check=check, host_staging=host_staging,
             )
             for rank in range(world_size)
         ]
@@ -286,18 +305,22 @@ def launch(
     results = RankResults(outcome.values[r] if result_types is not None
                           else unpack_result(outcome.values[r]) for r in range(world_size))
     results.stdout, results.stderr = stdout, stderr
-    results.backend, results.seconds = chosen, time.monotonic() - started
+    results.backend, results.seconds = placement.backend, time.monotonic() - started
+    results.placement = placement
     if outcome.written is not None:
         results.written = [outcome.written[r] for r in range(world_size)]
     return results
 
 
 def rank_device() -> torch.device:
-    """Where this rank's tensors belong: its own GPU under nccl, the CPU under gloo.
+    """Where this rank's tensors belong: its own GPU under nccl; under gloo the GPU it shares
+    with other ranks where the machine has one (the one-GPU mode), else the CPU.
 
-    Call it inside a worker. :func:`launch` (``cuda:rank``) and
-    :func:`labs.torchrun.run_torchrun` (``cuda:LOCAL_RANK``) have already made that GPU the
-    current device, so a worker never needs RANK or LOCAL_RANK to find it."""
+    Call it inside a worker: :func:`launch` and :func:`labs.torchrun.run_torchrun` placed the
+    rank (:class:`Placement`) and made its GPU the current device. In a process group labs
+    did not start: the current GPU under nccl, else the CPU."""
+    if DEVICE_VARIABLE in os.environ:
+        return torch.device(os.environ[DEVICE_VARIABLE])
     if dist.is_initialized() and dist.get_backend() == Backend.NCCL.value:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -369,11 +392,10 @@ def _join_group(spec: _RankSpec) -> None:
     # For code written for torchrun: the same variables it would set.
     os.environ.update({k: str(v) for k, v in env.items()})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    if spec.backend is Backend.NCCL:
-        torch.cuda.set_device(spec.rank)
+    enter(spec.placement, spec.rank, host_staging=spec.host_staging)
     store = dist.FileStore(spec.store_path, spec.world_size)
     dist.init_process_group(
-        spec.backend.value, store=store, rank=spec.rank, world_size=spec.world_size,
+        spec.placement.backend.value, store=store, rank=spec.rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
     )
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from labs import collective_check, link
+from labs import collective_check, link, staging
+from labs.staging import backend_for_device
 
 
 class Phase(enum.Enum):
@@ -111,37 +112,29 @@ class Peers:
     @classmethod
     def of(cls, group: ProcessGroup | None, recorder: Recorder | None,
            tensor: torch.Tensor | None = None) -> Peers:
-        """The peers of ``group``. Pass the ``tensor`` that will be sent when the caller
-        sends it point to point: a backend that cannot carry it is refused here, before any
-        rank starts a send its peers would wait on."""
+        """The peers of ``group``. Pass the ``tensor`` of the collective that starts: one
+        with no data (the meta device) is refused here, on every rank, before any rank
+        starts a send its peers would wait on; its operation is checked under
+        ``check_collectives=True``."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call this inside a function run by "
                 "labs.launch (or under torchrun after init_process_group)."
             )
         peers = cls(group, dist.get_rank(group), dist.get_world_size(group), recorder)
-        if tensor is not None and peers.size > 1:
-            peers.check_can_send(tensor)
+        if tensor is not None and tensor.is_meta and peers.size > 1:
+            raise ValueError(
+                f"rank {peers.rank}: these collectives send a tensor's data, and a tensor on "
+                "the meta device has none: materialise it first (e.g. "
+                "module.to_empty(device=labs.rank_device())).")
         if tensor is not None:  # a collective starts: checked under check_collectives=True
             collective_check.note(sys._getframe(1).f_code.co_name, tensor, group)  # noqa: SLF001
         return peers
 
-    def check_can_send(self, tensor: torch.Tensor) -> None:
-        """Refuse a tensor this group's send/recv cannot carry.
-
-        gloo's own collectives accept CUDA tensors (they stage them through host memory), but
-        its send/recv hand the tensor's pointer to the socket as if it were host memory: the
-        kernel refuses a device address ("writev ...: Bad address") and the peer is left
-        waiting. Measured on one GPU with two gloo ranks; the same call on CPU tensors works.
-        """
-        kind = tensor.device.type
-        if kind != "cpu" and backend_for_device(self.backend, kind) == "gloo":
-            raise ValueError(
-                f"rank {self.rank}: these collectives are built on send/recv, and gloo's "
-                f"send/recv cannot carry {kind} tensors (tensor on {tensor.device}). Use "
-                "backend='nccl' with one GPU per rank, or keep the tensor on the CPU "
-                "(labs.rank_device() picks the device that matches the backend)."
-            )
+    def stages(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s messages go through host memory (:mod:`labs.staging`): a
+        CUDA tensor on a gloo group, whose send/recv cannot carry device memory."""
+        return staging.needed(tensor, self.backend)
 
     def global_rank(self, group_rank: int) -> int:
         group_rank %= self.size
@@ -170,15 +163,25 @@ class Peers:
         launch has one: :mod:`labs.link`)."""
         dst = self.global_rank(to)
         self.count(tensor, sent=True, peer=dst)
+        if self.stages(tensor):
+            tensor = staging.to_host(tensor)  # the send's Work holds the copy until it is sent
         if link.active() is not None:
             return link.send(lambda wire: dist.isend(wire, dst, group=self.group, tag=tag),
                              tensor, dst)
         return dist.isend(tensor, dst, group=self.group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Work:
-        """Post a receive into ``tensor`` from group rank ``source``."""
+        """Post a receive into ``tensor`` from group rank ``source`` (through a host buffer
+        when :meth:`stages` says so: the tensor is written when the receive is waited for)."""
         self.count(tensor, sent=False)
         src = self.global_rank(source)
+        if self.stages(tensor):
+            host = staging.host_buffer(tensor)
+            return staging.Landing(self.irecv_unstaged(host, src, tag), host, tensor)
+        return self.irecv_unstaged(tensor, src, tag)
+
+    def irecv_unstaged(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        """Post a receive into ``tensor`` from global rank ``src``, not counted."""
         if link.active() is not None:
             return link.recv(lambda wire: dist.irecv(wire, src, group=self.group, tag=tag),
                              tensor, src)
@@ -193,7 +196,8 @@ class Peers:
         longer batched at 2 ranks, a third longer at 4), so under gloo the receive is posted
         first, then the send."""
         sending, receiving = send.numel() > 0, recv.numel() > 0
-        if link.active() is not None:  # gloo only (launch refuses a link on nccl)
+        # gloo only (launch refuses a link on nccl); staged tensors go one message at a time
+        if link.active() is not None or self.stages(send) or self.stages(recv):
             works = [self.irecv(recv, source)] if receiving else []
             works += [self.isend(send, to)] if sending else []
             for work in works:
@@ -228,13 +232,3 @@ def exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int,
     NCCL, receive-then-send on gloo (see :meth:`Peers.exchange`); the cost model times its
     messages with this."""
     Peers.of(group, None, send).exchange(send, to, recv, source)
-
-
-def backend_for_device(backend: str, device_type: str) -> str:
-    """Which backend of ``backend`` (as ``dist.get_backend`` names it) carries tensors of
-    ``device_type``: a group has one backend ("gloo") or one per device type
-    ("cpu:gloo,cuda:nccl"). A device type the string does not name gets the string back."""
-    if ":" not in backend:
-        return backend
-    per_device = dict(part.split(":", 1) for part in backend.split(","))
-    return per_device.get(device_type, backend)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from labs import plain_results
-from labs.launch_inputs import Backend
+from labs.launch_inputs import Backend, Placement
 from labs.rank_errors import RankFailure
 
 #: The line gloo writes to stdout each time a process group connects, in some torch releases
@@ -36,6 +36,8 @@ class RankResults(list):
     Attributes:
         stdout, stderr: captured text per rank (index = rank).
         backend: the backend the ranks used.
+        placement: that backend and the GPUs the ranks used (``placement.describe(N)``, a
+            line to print under a table).
         seconds: wall time of the launch.
         written: with ``count_writes``, the bytes each rank wrote by its own system calls
             (``wchar`` of ``/proc/PID/io``, counted by the kernel) up to the moment every
@@ -46,6 +48,7 @@ class RankResults(list):
     stdout: list[str]
     stderr: list[str]
     backend: Backend
+    placement: Placement
     seconds: float
     written: list[int] | None = None
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from labs import link
+from labs import link, staging
 from labs.p2p import Peers, Phase, RingStep
 
 #: The default segment of the pipelined ring on CPU; chosen with ``python -m labs.bench
@@ -367,7 +367,8 @@ def run_ring(
     stays valid for as long as it keeps ``data``'s memory alive (its views do).
     """
     trace = peers.recorder is not None and peers.recorder.trace
-    if segment_bytes is None or trace or data.device.type != "cpu":
+    # A tensor staged through host memory goes message by message (labs.staging), lock-step.
+    if segment_bytes is None or trace or data.device.type != "cpu" or staging.forced():
         laid_out = steps()
         if laid_out:
             run_lockstep(peers, laid_out)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from labs import staging
 from labs.p2p import Peers, backend_for_device
 from labs.ring_schedule import RingBuffers
 
@@ -115,14 +116,20 @@ def builtin_reduce_scatter(
     torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` (the old name
     warns on every call); torch 2.4 has only the old one."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, tensor, op=op, group=group)
+    if staging.needed(tensor, str(dist.get_backend(group))):
+        staging.staged(fn, out, tensor, op=op, group=group)
+    else:
+        fn(out, tensor, op=op, group=group)
 
 
 def builtin_all_gather(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None) -> None:
     """torch.distributed's own all-gather of equal ``shard``s into ``out`` (``all_gather_single``
     on torch 2.13, ``all_gather_into_tensor`` before)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, shard, group=group)
+    if staging.needed(shard, str(dist.get_backend(group))):
+        staging.staged(fn, out, shard, group=group)
+    else:
+        fn(out, shard, group=group)
 
 
 def torch_all_reduce(tensor: torch.Tensor, op: ReduceOp, peers: Peers) -> torch.Tensor:

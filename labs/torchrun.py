@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from labs.launcher import Backend, choose_backend
+from labs.launch_inputs import Backend, choose_placement, enter
 from labs.rank_pickle import pack_result, unpack_result
 
 
@@ -31,20 +31,25 @@ def run_torchrun(
     """Run ``fn(rank, world_size, *args)`` in a process that torchrun started.
 
     The process group uses torchrun's env:// rendezvous (MASTER_ADDR, MASTER_PORT), so it
-    spans every node. Under nccl each process uses ``cuda:LOCAL_RANK``: LOCAL_RANK, not
-    RANK, because rank 4 on the second node of a 2x4 job owns that node's GPU 0. Rank 0
-    gets every rank's return value (gathered, in rank order); other ranks get None.
+    spans every node. Each process is placed as :func:`labs.launch` places its ranks
+    (:func:`labs.launch_inputs.pick_placement`), by LOCAL_RANK among LOCAL_WORLD_SIZE: under
+    nccl it uses ``cuda:LOCAL_RANK``, not RANK, because rank 4 on the second node of a 2x4 job
+    owns that node's GPU 0; under gloo on a node with fewer GPUs than processes they share
+    them. Rank 0 gets every rank's return value (gathered, in rank order); other ranks get
+    None.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     # Decided from LOCAL_WORLD_SIZE, which every process of this node shares: deciding from
     # LOCAL_RANK would give nccl to the first processes and gloo to the rest, and hang.
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    chosen = choose_backend(backend, local_world_size, ranks="LOCAL_WORLD_SIZE")
-    if chosen is Backend.NCCL:
-        torch.cuda.set_device(local_rank)
-    _init_group(chosen.value, rank, world_size)
-    device = torch.device("cuda", local_rank) if chosen is Backend.NCCL else torch.device("cpu")
+    placement = choose_placement(backend, local_world_size, ranks="LOCAL_WORLD_SIZE")
+    enter(placement, local_rank)
+    _init_group(placement.backend.value, rank, world_size)
+    # The results travel on the rank's GPU under nccl, which carries nothing else; on the CPU
+    # under gloo, even where the ranks compute on a GPU.
+    nccl = placement.backend is Backend.NCCL
+    device = placement.device(local_rank) if nccl else torch.device("cpu")
     in_flight: list[torch.Tensor] = []
     try:
         payload = pack_result(fn(rank, world_size, *args))

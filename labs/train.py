@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import math
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from labs.clock import now
 from labs.ddp import DDP, DEFAULT_BUCKET_CAP_MB, NaiveDDP
 from labs.launcher import rank_device
 from labs.toy_allreduce import EXAMPLE_SENTENCES
@@ -292,7 +292,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
     batches = micro_batches(config, rank, world_size, start_step)
     losses: list[torch.Tensor] = []
     saved: list[int] = []
-    started = time.perf_counter()
+    started = now(device)  # synchronized: on a GPU the steps end when their kernels do
     for step in range(start_step + 1, config.steps + 1):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device)
@@ -316,7 +316,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> TrainResult
                                 world_size)
                 saved.append(step)
             dist.barrier()  # no rank goes on (or reads the file) before it is complete
-    seconds = time.perf_counter() - started
+    seconds = now(device) - started
     # One all-reduce of the whole loss curve at the end, instead of a sync point per step.
     curve = torch.stack(losses) if losses else torch.zeros(0, device=device)
     dist.all_reduce(curve)

@@ -81,6 +81,21 @@ def test_the_closed_form_holds_in_bfloat16():
     assert measure_alive(s.workload()).total_bytes == s.activation_bytes()
 
 
+def test_on_cuda_the_layer_norm_statistics_are_float32_in_any_dtype():
+    """CUDA's LayerNorm keeps mean and rstd in float32: in bf16, 2 more bytes for each of the
+    4 statistics per token of each block and the 2 of ln_f (measured on a GPU in
+    tests/test_gpu.py); in float32 and float64 nothing changes."""
+    b, t, d, h, n, v = 2, 6, 8, 2, 3, 11
+    cpu, cuda = (activation_bytes(b, t, d, h, n, v, element_size=2, device_type=kind)
+                 for kind in ("cpu", "cuda"))
+    assert cuda - cpu == b * t * (4 * n + 2) * 2
+    for e in (4, 8):
+        assert activation_bytes(b, t, d, h, n, v, element_size=e, device_type="cuda") == \
+            activation_bytes(b, t, d, h, n, v, element_size=e)
+    with pytest.raises(ValueError, match="device_type must be 'cpu' or 'cuda', got 'gpu'"):
+        activation_bytes(b, t, d, h, n, v, device_type="gpu")
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_checkpointed_bytes_are_the_block_boundaries(shape):
     s = settings_of(shape)

@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 from labs import Backend, launch, rank_device
+from labs.activations import Workload, activation_bytes, measure_saved
 from labs.collectives import Algorithm, all_gather, all_reduce, reduce_scatter
+from labs.experiments.activations import ActivationSettings
+from labs.experiments.recipe import RecipeConfig, budget_table, recipe_worker
 from labs.experiments.zero import lab_worker
 from labs.fsdp import FSDP
 from labs.memory import ShardMemorySettings, all_gather_memory, reduce_scatter_memory
@@ -44,7 +47,8 @@ def on_both(worker, *args, world_size: int | None = None):
     n = world_size or gpus()
     nccl = launch(worker, n, args=args, backend="nccl", echo=False, timeout=180)
     assert nccl.backend is Backend.NCCL
-    return nccl, launch(worker, n, args=args, backend="gloo", echo=False, timeout=180)
+    return nccl, launch(worker, n, args=args, backend="gloo", device="cpu", echo=False,
+                        timeout=180)
 
 
 def collectives_on_cuda(rank: int, world_size: int) -> list[str]:
@@ -75,26 +79,23 @@ def test_every_collective_works_on_cuda_tensors_and_matches_nccl():
         assert problems == [], f"rank {rank}: {problems}"
 
 
-def ring_on_cuda_under_gloo(rank: int, world_size: int) -> tuple[str, float]:
-    """The ring on a CUDA tensor with gloo (ranks share cuda:0), then gloo's own all-reduce
-    of a CUDA tensor, which gloo stages through host memory."""
-    x = torch.ones(1000, device="cuda:0")
-    try:
-        all_reduce(x, algorithm=Algorithm.RING)
-        error = "no error"
-    except ValueError as refused:
-        error = str(refused)
+def ring_on_cuda_under_gloo(rank: int, world_size: int) -> tuple[str, float, str]:
+    """Ranks sharing one GPU (the one-GPU mode): labs' ring on a CUDA tensor, its messages
+    staged through host memory, then gloo's own all-reduce of the result."""
+    x = torch.ones(1000, device=rank_device())
+    all_reduce(x, algorithm=Algorithm.RING)
     dist.all_reduce(x)
-    return error, float(x[0])
+    return str(x.device), float(x[0]), str(rank_device())
 
 
-def test_gloo_refuses_cuda_tensors_for_send_recv_and_its_own_all_reduce_still_works():
-    """Without the check, gloo's send of a CUDA tensor fails in the socket ("writev: Bad
+def test_ranks_sharing_one_gpu_run_labs_ring_through_host_memory():
+    """Without staging, gloo's send of a CUDA tensor fails in the socket ("writev: Bad
     address"), seen on an H100 with torch 2.11."""
-    for rank, (error, value) in enumerate(launch(ring_on_cuda_under_gloo, 2, backend="gloo",
-                                                 echo=False, timeout=180)):
-        assert error.startswith(f"rank {rank}: ") and "cannot carry cuda tensors" in error, error
-        assert value == 2.0
+    results = launch(ring_on_cuda_under_gloo, 2, device="cuda", backend="gloo", echo=False,
+                     timeout=180)
+    assert results.placement.backend is Backend.GLOO and results.placement.gpus == 1
+    for device, value, placed in results:
+        assert (device, value, placed) == ("cuda:0", 4.0, "cuda:0")
 
 
 def test_chapter_1_labs_give_the_cpu_answer_on_the_gpus():
@@ -162,3 +163,37 @@ def test_fsdp_trains_on_the_gpus_like_on_the_cpu_and_still_names_a_sharded_param
     for (a, error), (b, _) in zip(nccl, gloo, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         assert "0.weight" in error, error
+
+
+def test_the_activation_closed_form_counts_cudas_float32_layer_norm_statistics():
+    """In bf16 on CUDA the saved activations are the closed form with device_type="cuda":
+    LayerNorm's mean and rstd in float32, not the bf16 the CPU keeps them in."""
+    s = ActivationSettings(2, 6, 8, 2, 2, dtype=torch.bfloat16)
+    cpu = s.workload()
+    on_gpu = Workload(cpu.model.to("cuda"), tuple(t.to("cuda") for t in cpu.batch), cpu.loss)
+    want = activation_bytes(2, 6, 8, 2, 2, s.vocab, element_size=2, device_type="cuda")
+    assert measure_saved(on_gpu).total_bytes == want != s.activation_bytes()
+
+
+@pytest.mark.parametrize("worker", [fsdp_on_cuda, train_worker])
+def test_four_ranks_sharing_one_gpu_give_the_cpu_answer(worker):
+    """The one-GPU mode: four gloo ranks on cuda:0 (labs' messages and FSDP's collectives
+    staged through pinned host buffers) against the same four ranks on the CPU."""
+    args = () if worker is fsdp_on_cuda else (TrainConfig(steps=3, wrapper=DDP_WRAPPERS[0]),)
+    shared = launch(worker, 4, args=args, device="cuda", backend="gloo", echo=False,
+                    timeout=180)
+    assert shared.placement.gpus >= 1 and shared.backend is Backend.GLOO
+    cpu = launch(worker, 4, args=args, device="cpu", echo=False, timeout=180)
+    for a, b in zip(shared, cpu, strict=True):
+        if worker is fsdp_on_cuda:
+            torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(a.losses, b.losses, atol=1e-4, rtol=1e-4)
+
+
+def test_the_recipe_budget_sits_beside_the_allocators_peak():
+    config = RecipeConfig(steps=2, measure_memory=True)
+    result = launch(recipe_worker, 1, args=(config,), echo=False, timeout=180)[0]
+    print(budget_table(result))
+    assert result.cuda_peak_bytes is not None and result.peak_bytes is not None
+    assert result.cuda_peak_bytes >= result.peak_bytes

@@ -12,6 +12,7 @@ import pytest
 
 from labs.experiments.recipe import (
     RecipeConfig,
+    RecipeResult,
     budget_error,
     budget_table,
     build,
@@ -60,6 +61,26 @@ def test_the_budget_rows_add_up_to_the_measured_peak_within_three_percent(checkp
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_budget_holds_for_one_and_four_micro_batches(accumulation, checkpointing):
     _budget_within_three_percent(accumulation, checkpointing)
+
+
+def test_on_cuda_the_budget_counts_float32_statistics_and_shows_the_allocators_peak():
+    """Arithmetic, and the table a GPU run prints (tests/test_gpu.py runs it there): in bf16
+    the activations grow by CUDA's float32 LayerNorm statistics, and the allocator's peak is
+    set beside the tracked one with what lies between them."""
+    config = RecipeConfig(dtype="bf16")
+    rows = {r.name: r.model_bytes for r in peak_budget(config, 2, device_type="cuda")}
+    cpu = {r.name: r.model_bytes for r in peak_budget(config, 2)}
+    assert rows["activations"] > cpu["activations"]
+    assert rows["parameters"] == cpu["parameters"]
+    result = RecipeResult(rank=0, world_size=2, start_step=0, losses=(1.0,), grad_norms=(1.0,),
+                          seconds=1.0, saved_steps=(), peak_bytes=3 * 2**20,
+                          budget=tuple(peak_budget(config, 2, device_type="cuda")),
+                          cuda_peak_bytes=4 * 2**20)
+    lines = budget_table(result).splitlines()
+    assert lines[-2].split()[:2] == ["torch.cuda.max_memory_allocated", "4.000"]
+    assert lines[-1].split()[:5] == ["allocator", "-", "measured", "peak", "1.000"]
+    assert "max_memory_allocated" not in budget_table(
+        dataclasses.replace(result, cuda_peak_bytes=None))
 
 
 def test_the_peak_budget_names_what_each_setting_holds():

@@ -125,7 +125,9 @@ def _torchrun_agent(node: int, port: int) -> subprocess.Popen:
     return subprocess.Popen(
         [torchrun, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
          "--master_addr=127.0.0.1", f"--master_port={port}",
-         "-m", "labs", "toy", "--grads", "1", "3"],
+         # gloo: both "nodes" are this machine, and on a box with one GPU each would take
+         # nccl on cuda:0, which refuses two processes on one GPU
+         "-m", "labs", "toy", "--grads", "1", "3", "--backend", "gloo"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 

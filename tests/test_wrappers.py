@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from labs import launch
+from labs import launch, rank_device
 from labs.fsdp import FSDP
 from labs.train import TrainConfig
 from labs.wrappers import DDP_WRAPPERS, HSDP_STRATEGIES, ZERO_STAGES, Wrapper, build, wrap
@@ -23,7 +23,7 @@ def two_steps(rank: int, world_size: int, wrappers: list[Wrapper]) -> dict[Wrapp
     out = {}
     share = 6 // world_size
     x = (torch.arange(24, dtype=torch.float32).reshape(6, 4) / 10 - 1).sin()
-    x = x[rank * share:(rank + 1) * share]
+    x = x[rank * share:(rank + 1) * share].to(rank_device())  # where build puts the model
     for wrapper in wrappers:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))

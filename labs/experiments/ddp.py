@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labs.clock import synchronize
 from labs.ddp import (
     DDP,
     DEFAULT_BUCKET_CAP_MB,
@@ -47,12 +48,6 @@ from labs.models import Optimizer as Optimizer
 from labs.models import StepSettings as StepSettings
 from labs.models import mlp as mlp
 from labs.wrappers import Wrapper, synchronise, wrap
-
-
-def _sync_device() -> None:
-    device = rank_device()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)
@@ -135,13 +130,13 @@ def step_times_worker(rank: int, world_size: int, settings: StepSettings,
             if isinstance(models[i], (NaiveDDP, DDP)):
                 models[i].timeline = StepTimeline()
             dist.barrier()
-            _sync_device()
+            synchronize(rank_device())
             start = time.perf_counter()
             optimizers[i].zero_grad()
             timed = _accumulate(models[i], x, settings.accumulation,
                                 use_no_sync=cases[i].no_sync)
             optimizers[i].step()
-            _sync_device()
+            synchronize(rank_device())
             if iteration >= settings.warmup:
                 seconds[i].append(time.perf_counter() - start)
                 backward[i].append(timed.spent)
@@ -167,7 +162,7 @@ def _accumulate(model: nn.Module, x: torch.Tensor, micro_batches: int, use_no_sy
             # synchronize here would also wait for the all-reduces in flight)
             backward_end = time.perf_counter()
             synchronise(model)
-            _sync_device()
+            synchronize(rank_device())
             end = time.perf_counter()
             spent += end - start
     return BackwardTimes(spent, start, backward_end, end)
@@ -369,10 +364,10 @@ def timeline_worker(rank: int, world_size: int, settings: StepSettings,
         ready.clear()
         start = time.perf_counter()
         loss.backward()
-        _sync_device()
+        synchronize(rank_device())
         backward_end = time.perf_counter()
         synchronise(model)
-        _sync_device()
+        synchronize(rank_device())
         synchronised = time.perf_counter()
     if isinstance(model, DDP):
         ready = dict(t.grad_ready)

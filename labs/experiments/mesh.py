@@ -33,7 +33,7 @@ from torch.distributed import ProcessGroup
 
 from labs.collectives import Algorithm
 from labs.grid import GridLayout, ProcessGrid
-from labs.launcher import MAX_WORLD_SIZE, launch
+from labs.launcher import MAX_WORLD_SIZE, launch, rank_device
 from labs.tables import format_table
 from labs.tensor_parallel import ParallelMLP, Pass, all_reduce_bytes
 
@@ -161,7 +161,8 @@ def members(group: ProcessGroup | None) -> tuple[int, ...]:
     """The global ranks ``group`` connects, in group-rank order, found by all-gathering every
     member's global rank over it: a collective, so a wrong group shows here."""
     size = dist.get_world_size(group)
-    mine = torch.tensor([dist.get_rank()], dtype=torch.int64)
+    # on the rank's device: nccl carries nothing else
+    mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=rank_device())
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine, group=group)
     return tuple(int(t) for t in gathered)
@@ -425,13 +426,17 @@ def tp_worker(rank: int, world_size: int, settings: TPSettings) -> TPReport:
     (every group computes the same thing: there is no data parallelism here to differ)."""
     mesh = settings.mesh(world_size)
     group = None if mesh.shape[0] == 1 else new_group_mesh(mesh)["tp"]
-    model = ParallelMLP(settings.mlp(), group, algorithm=settings.algorithm)
-    x, target = settings.data()
+    device = rank_device()
+    model = ParallelMLP(settings.mlp().to(device), group, algorithm=settings.algorithm)
+    x, target = (t.to(device) for t in settings.data())
     x.requires_grad_(True)
     y = model(x)
     tp_loss(y, target).backward()
     assert x.grad is not None
-    result = TPResult(y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()})
+    # on the CPU, beside the reference computed there
+    result = TPResult(y.detach().cpu(), x.grad.cpu(),
+                      {n: None if p.grad is None else p.grad.cpu()
+                       for n, p in model.named_parameters()})
     output_error, grad_error = tp_errors(result, model.features, settings)
     log = model.log
     return TPReport(

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from labs.clock import synchronize
 from labs.collectives import exchange
-from labs.experiments.timing import Statistic, check_iters, sync_device
+from labs.experiments.timing import Statistic, check_iters
 from labs.launcher import rank_device
 
 # Ranks import this module to find their workers (time_p2p, time_reduction), so it imports
@@ -98,7 +99,7 @@ def time_p2p(
         outgoing = torch.full((size // 4,), float(rank), dtype=torch.float32, device=device)
         incoming = torch.full_like(outgoing, -1.0)
         for it in range(warmup + iters):
-            sync_device(device)
+            synchronize(device)
             dist.barrier()
             start = time.perf_counter()
             if pattern is P2PPattern.RING_STEP:
@@ -111,7 +112,7 @@ def time_p2p(
             elif rank == 1:
                 dist.recv(incoming, 0)
                 dist.send(incoming, 0)
-            sync_device(device)
+            synchronize(device)
             took = time.perf_counter() - start
             if it >= warmup and (rank < 2 or pattern is P2PPattern.RING_STEP):
                 seconds[i, it - warmup] = took / (2 if pattern is P2PPattern.PING_PONG else 1)
@@ -145,11 +146,11 @@ def time_reduction(
         a = torch.ones(size // 4, dtype=torch.float32, device=device)
         b, out = torch.ones_like(a), torch.empty_like(a)
         for it in range(warmup + iters):
-            sync_device(device)
+            synchronize(device)
             dist.barrier()
             start = time.perf_counter()
             torch.add(a, b, out=out)
-            sync_device(device)
+            synchronize(device)
             if it >= warmup:
                 seconds[i, it - warmup] = time.perf_counter() - start
     return _gather_points(found, seconds, device)

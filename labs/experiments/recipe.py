@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from labs import checkpoint
 from labs.activations import activation_bytes
+from labs.clock import now
 from labs.fsdp import FSDP
 from labs.launcher import rank_device
 from labs.memory import AllocationTracker
@@ -181,6 +181,11 @@ class RecipeResult:
     saved_steps: tuple[int, ...]
     peak_bytes: int | None  #: measured over the last step (``measure_memory``), rank 0
     budget: tuple[BudgetRow, ...]  #: the closed forms beside it (rank 0)
+    #: On a GPU: ``torch.cuda.max_memory_allocated`` over the same step (rank 0), what the
+    #: caching allocator handed out: the tracked storages, rounded up to its 512-byte blocks,
+    #: and what kernels and libraries allocate through it that no tensor of the step holds
+    #: (cuBLAS's workspace, a kernel's scratch).
+    cuda_peak_bytes: int | None = None
 
     @property
     def final_loss(self) -> float:
@@ -209,7 +214,7 @@ def recipe_worker(rank: int, world_size: int, config: RecipeConfig) -> RecipeRes
     norms: list[torch.Tensor] = []
     saved: list[int] = []
     tracker: AllocationTracker | None = None
-    started = time.perf_counter()
+    started = now(device)  # synchronized: on a GPU the steps end when their kernels do
     for step in range(start_step + 1, config.steps + 1):
         if step == config.fail_at_step and rank == 1 and not config.resume:
             raise InjectedFailure(f"rank 1 fails as step {step} starts (fail_at_step={step}); "
@@ -219,6 +224,8 @@ def recipe_worker(rank: int, world_size: int, config: RecipeConfig) -> RecipeRes
             if measured:
                 tracker = tracker_now
                 tracker.track(held_tensors(model, optimizer))
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
             total = torch.zeros((), device=device)
             for micro in range(config.accumulation):
                 x, y = (t.to(device) for t in next(batches))
@@ -238,7 +245,7 @@ def recipe_worker(rank: int, world_size: int, config: RecipeConfig) -> RecipeRes
                 config.checkpoint_every and step % config.checkpoint_every == 0)):
             save(config, model, optimizer, step)
             saved.append(step)
-    seconds = time.perf_counter() - started
+    seconds = now(device) - started
     curve = torch.stack(losses) if losses else torch.zeros(0, device=device)
     dist.all_reduce(curve)  # one all-reduce of the whole curve, not a sync point per step
     curve /= world_size
@@ -247,7 +254,10 @@ def recipe_worker(rank: int, world_size: int, config: RecipeConfig) -> RecipeRes
         losses=tuple(curve.tolist()), grad_norms=tuple(float(n) for n in norms),
         seconds=seconds, saved_steps=tuple(saved),
         peak_bytes=tracker.peak_bytes if tracker is not None else None,
-        budget=tuple(peak_budget(config, world_size)) if tracker is not None else ())
+        budget=tuple(peak_budget(config, world_size, device_type=device.type))
+        if tracker is not None else (),
+        cuda_peak_bytes=torch.cuda.max_memory_allocated(device)
+        if tracker is not None and device.type == "cuda" else None)
 
 
 def save(config: RecipeConfig, model: FSDP, optimizer: torch.optim.Optimizer, step: int
@@ -325,23 +335,25 @@ def memory_budget(config: RecipeConfig, world_size: int, vocab: int | None = Non
     return rows
 
 
-def recomputed_block_bytes(config: RecipeConfig, vocab: int | None = None) -> int:
+def recomputed_block_bytes(config: RecipeConfig, vocab: int | None = None, *,
+                           device_type: str = "cpu") -> int:
     """One block's activations, alive again while checkpointing recomputes it for its
     backward: B T (16 D + H T + 4) e + T^2 (:func:`labs.activations.activation_bytes` of one
-    block less what checkpointing keeps of it, its input)."""
+    block, on ``device_type``, less what checkpointing keeps of it, its input)."""
     vocab = vocab or len(set(TEXT))
     e = torch.finfo(config.compute_dtype or torch.float32).bits // 8
     shape = (config.batch_size, config.seq_len, config.d_model, config.n_heads)
-    whole = activation_bytes(*shape, 1, vocab, element_size=e)
-    inputs_only = activation_bytes(*shape, 1, vocab, element_size=e, checkpointing=True)
+    whole = activation_bytes(*shape, 1, vocab, element_size=e, device_type=device_type)
+    inputs_only = activation_bytes(*shape, 1, vocab, element_size=e, checkpointing=True,
+                                   device_type=device_type)
     return whole - inputs_only + config.batch_size * config.seq_len * config.d_model * e
 
 
-def peak_budget(config: RecipeConfig, world_size: int, vocab: int | None = None
-                ) -> list[BudgetRow]:
+def peak_budget(config: RecipeConfig, world_size: int, vocab: int | None = None, *,
+                device_type: str = "cpu") -> list[BudgetRow]:
     """Every closed form rank 0 holds at the peak of a step: the largest of
     :func:`backward_moments` (see there)."""
-    return max(backward_moments(config, world_size, vocab),
+    return max(backward_moments(config, world_size, vocab, device_type=device_type),
                key=lambda rows: sum(r.model_bytes for r in rows))
 
 
@@ -352,8 +364,8 @@ def peak_moment(config: RecipeConfig, world_size: int, vocab: int | None = None)
     return totals.index(max(totals))
 
 
-def backward_moments(config: RecipeConfig, world_size: int, vocab: int | None = None
-                     ) -> list[list[BudgetRow]]:
+def backward_moments(config: RecipeConfig, world_size: int, vocab: int | None = None, *,
+                     device_type: str = "cpu") -> list[list[BudgetRow]]:
     """The closed forms of what rank 0 holds at each block's backward in the last
     micro-batch (entry i: i blocks' backward done), on gloo, as :func:`recipe_worker`
     measures a step, transients included.
@@ -382,6 +394,9 @@ def backward_moments(config: RecipeConfig, world_size: int, vocab: int | None = 
     * with checkpointing, the block being recomputed: one block's activations,
       B T (16 D + H T + 4) e + T^2.
 
+    On ``device_type="cuda"`` the activations count LayerNorm's statistics in float32, as
+    CUDA's kernel keeps them (:func:`labs.activations.activation_bytes`).
+
     Not in it: the tensors backward makes and frees as it goes (the gradient of the residual
     stream, a layer's weight gradient before it is added to the block's), a few per cent."""
     vocab = vocab or len(set(TEXT))
@@ -392,9 +407,10 @@ def backward_moments(config: RecipeConfig, world_size: int, vocab: int | None = 
     shape = (config.batch_size, config.seq_len, config.d_model, config.n_heads)
     ckpt = config.activation_checkpointing
     block_input = config.batch_size * config.seq_len * config.d_model * e
-    one_block = recomputed_block_bytes(config, vocab)  # B T (16 D + H T + 4) e + T^2
+    # B T (16 D + H T + 4) e + T^2
+    one_block = recomputed_block_bytes(config, vocab, device_type=device_type)
     saved = activation_bytes(*shape, config.n_layers, vocab, element_size=e,
-                             checkpointing=ckpt)
+                             checkpointing=ckpt, device_type=device_type)
     kept = block_input if ckpt else one_block  # what each block holds until its backward
     shard_bytes = 4 * block // n
     moments = []
@@ -443,6 +459,12 @@ def budget_table(result: RecipeResult) -> str:
               "tensor storages, the last step"],
              ["the rest (measured - sum)", f"{(result.peak_bytes - total) / mib:.3f}",
               f"{(result.peak_bytes - total) / result.peak_bytes:+.1%} of the peak"]]
+    if result.cuda_peak_bytes is not None:
+        extra = result.cuda_peak_bytes - result.peak_bytes
+        rows += [["torch.cuda.max_memory_allocated", f"{result.cuda_peak_bytes / mib:.3f}",
+                  "the caching allocator's peak, the same step"],
+                 ["allocator - measured peak", f"{extra / mib:.3f}",
+                  "512-byte rounding, cuBLAS workspace, kernels' scratch"]]
     return format_table(["held by rank 0", "MiB", "closed form"], rows)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from labs.clock import synchronize
 from labs.collectives import (
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_WINDOW,
@@ -328,13 +329,6 @@ def check_iters(iters: object, warmup: object) -> None:
 # --- the rank side -------------------------------------------------------------------------------
 
 
-def sync_device(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a GPU runs asynchronously; the CPU has none),
-    so that a clock read after it counts that work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def seeded_input(numel: int, stream: int, dtype: torch.dtype) -> torch.Tensor:
     """Integers in [-8, 8) stored as ``dtype``, drawn from ``SEED + stream`` (1-D, CPU)."""
     generator = torch.Generator().manual_seed(SEED + stream)
@@ -424,11 +418,11 @@ def _time_one(case: CollectiveCase, inputs: _Inputs, rank: int, world_size: int,
     """Barrier, then one timed call; returns this rank's seconds and whether it was right."""
     if case.collective is Collective.ALL_REDUCE:
         inputs.work.copy_(inputs.mine)  # in place: start every call from the same input
-    sync_device(device)
+    synchronize(device)
     dist.barrier()
     start = time.perf_counter()
     result = _run(case, inputs, rank, world_size)
-    sync_device(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     return seconds, results_match(result, _expected(case, inputs, rank))
 
