@@ -37,12 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import queue
-import threading
-import time
-import weakref
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from labs import link
+from labs.clock import DeviceClock, Moment, seconds
 from labs.collectives import ring_all_reduce
+from labs.comm_stream import CommStream
 from labs.ddp_join import JoinMixin
 
 #: torch DDP's default bucket size, in MiB.
@@ -121,7 +118,7 @@ class NaiveDDP(_SyncMixin, nn.Module):
     over the ranks (:func:`all_reduce_sum`) and divides by N: ``len(parameters)`` blocking
     all-reduces per step, started only after backward has finished. ``timeline`` records
     when each one started and ended (keyed by the parameter's index in
-    :func:`trainable_parameters`).
+    :func:`trainable_parameters`), stamped by ``clock`` (on a GPU, when the GPU got there).
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None
@@ -131,6 +128,7 @@ class NaiveDDP(_SyncMixin, nn.Module):
         self.process_group = process_group
         self.require_backward_grad_sync = True
         self.timeline = StepTimeline()
+        self.clock = DeviceClock(_device_of(module))
         broadcast_state(module, process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -153,9 +151,10 @@ class NaiveDDP(_SyncMixin, nn.Module):
                 "parameter in forward, freeze it (requires_grad=False), or use "
                 "DDP(..., find_unused_parameters=True).")
         for index, (_, param) in enumerate(trainable_parameters(self.module)):
-            self.timeline.launched[index] = time.perf_counter()
-            all_reduce_sum(param.grad, self.process_group)  # blocks until every rank's is in
-            self.timeline.done[index] = time.perf_counter()
+            self.timeline.launched[index] = self.clock.stamp()
+            # blocks until every rank's is in (on NCCL: the stream waits for it)
+            all_reduce_sum(param.grad, self.process_group)
+            self.timeline.done[index] = self.clock.stamp()
             param.grad /= world_size
 
 
@@ -225,22 +224,40 @@ def assign_buckets(params: list[tuple[str, nn.Parameter]], bucket_cap_mb: float
 
 @dataclass
 class StepTimeline:
-    """Timestamps (``time.perf_counter()`` seconds) of one backward pass under :class:`DDP`
-    (or :class:`NaiveDDP`, whose every parameter is a bucket of its own)."""
+    """The moments of one backward pass under :class:`DDP` (or :class:`NaiveDDP`, whose every
+    parameter is a bucket of its own), stamped by the wrapper's
+    :class:`labs.clock.DeviceClock`: ``time.perf_counter()`` seconds on the CPU; on a GPU,
+    events that say when the GPU reached each point, read by :meth:`resolved` once the step
+    is over (a host clock there would say when each kernel was queued)."""
 
-    grad_ready: dict[str, float] = field(default_factory=dict)
+    grad_ready: dict[str, Moment] = field(default_factory=dict)
     """Parameter name -> when its gradient was accumulated (its hook ran)."""
-    launched: dict[int, float] = field(default_factory=dict)
+    launched: dict[int, Moment] = field(default_factory=dict)
     """Bucket index -> when its all-reduce was launched (handed to gloo, or to the
     :class:`CommStream`)."""
-    started: dict[int, float] = field(default_factory=dict)
+    started: dict[int, Moment] = field(default_factory=dict)
     """Bucket index -> when the :class:`CommStream` began sending it (on an emulated link
     only; it may wait there behind earlier buckets)."""
-    done: dict[int, float] = field(default_factory=dict)
+    done: dict[int, Moment] = field(default_factory=dict)
     """Bucket index -> when its all-reduce completed (recorded by the work's future, or by
     the :class:`CommStream`)."""
-    finished: float | None = None
+    finished: Moment | None = None
     """When ``finish_gradient_synchronization()`` returned."""
+
+    def resolved(self) -> StepTimeline:
+        """This timeline with every moment in ``time.perf_counter()`` seconds (on a GPU it
+        waits for the events it reads)."""
+        def read(moments: dict[Any, Moment]) -> dict[Any, Moment]:
+            return {key: seconds(m) for key, m in moments.items()}
+
+        return StepTimeline(read(self.grad_ready), read(self.launched), read(self.started),
+                            read(self.done),
+                            None if self.finished is None else seconds(self.finished))
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters live (the CPU for a module without any)."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def params_in_graph(outputs: Any) -> set[int]:
@@ -272,75 +289,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
-
-
-# --- the communication thread (on an emulated link) -------------------------------------------
-
-
-class CommStream:
-    """One background thread that runs the jobs handed to it one at a time, in the order they
-    were handed over: labs' stand-in for the CUDA stream on which torch's DDP (through NCCL)
-    runs its all-reduces beside the stream that computes backward.
-
-    :class:`DDP` uses it on an emulated link, where an all-reduce is labs' ring, plain Python
-    that would block the thread calling it. The main thread goes on with backward while this
-    one sends; the link's waits are sleeps and torch's kernels release the GIL, so the two
-    overlap even on one core per rank. One thread keeps the order: every rank hands its
-    buckets over in the same order, so every rank's thread makes the same calls in the same
-    order, as a stream would.
-
-    The rule that goes with it: while jobs are pending, the main thread makes no collective
-    of its own (two threads calling one process group at once could interleave their
-    messages); :meth:`synchronize` first. A job that raises fails its future, and every job
-    after it is skipped; :meth:`synchronize` re-raises the first failure in the caller. The
-    thread is a daemon, so it never keeps a rank process alive, and it ends once its stream
-    is garbage-collected (a :class:`DDP` is, once :meth:`DDP.remove_hooks` has run: until
-    then its parameters' hooks refer to it).
-    """
-
-    def __init__(self, name: str = "labs-comm-stream") -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = (
-            queue.SimpleQueue())
-        self._pending: list[Future[None]] = []
-        self.thread = threading.Thread(target=_serve, args=(self._jobs,), name=name,
-                                       daemon=True)
-        self.thread.start()
-        # The thread holds only the queue, never the stream: once the stream is collected,
-        # the sentinel ends the thread.
-        weakref.finalize(self, self._jobs.put, None)
-
-    def submit(self, job: Callable[[], None]) -> Future[None]:
-        """Queue ``job`` behind the jobs already handed over; returns at once."""
-        future: Future[None] = Future()
-        self._pending.append(future)
-        self._jobs.put((job, future))
-        return future
-
-    def synchronize(self) -> None:
-        """Wait for every job handed over so far; re-raise the first failure here."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-
-
-def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]) -> None:
-    """The body of a :class:`CommStream`'s thread: run jobs in order until the sentinel."""
-    failed: str | None = None  # the first failure, as text (its traceback holds frames)
-    while (item := jobs.get()) is not None:
-        job, future = item
-        del item  # while waiting for the next job, hold nothing the last one referred to
-        if failed is not None:
-            future.set_exception(RuntimeError(
-                f"skipped: an earlier job on this stream failed ({failed})"))
-        else:
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                failed = repr(exc)
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-        del job, future
 
 
 class DDP(_SyncMixin, JoinMixin, nn.Module):
@@ -400,6 +348,8 @@ class DDP(_SyncMixin, JoinMixin, nn.Module):
         #: outside.
         self._joining: bool | None = None
         self.timeline = StepTimeline()
+        #: What stamps ``timeline``: the host's clock on the CPU, a GPU's events on CUDA.
+        self.clock = DeviceClock(_device_of(module))
         #: Where buckets are all-reduced on an emulated link; None: gloo's own async collective.
         self._stream = CommStream() if link.active() is not None else None
         broadcast_state(module, process_group)
@@ -496,7 +446,7 @@ class DDP(_SyncMixin, JoinMixin, nn.Module):
         if not self.require_backward_grad_sync:
             return
         bucket, position, _ = self._where[id(param)]
-        self.timeline.grad_ready[bucket.names[position]] = time.perf_counter()
+        self.timeline.grad_ready[bucket.names[position]] = self.clock.stamp()
         if position in bucket.arrived:
             raise RuntimeError(
                 f"DDP: {bucket.names[position]}'s gradient arrived twice before "
@@ -522,22 +472,25 @@ class DDP(_SyncMixin, JoinMixin, nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        self.timeline.launched[bucket.index] = time.perf_counter()
+        self.timeline.launched[bucket.index] = self.clock.stamp()
         bucket.state = BucketState.LAUNCHED
         if self._stream is not None:
             bucket.work = self._stream.submit(
                 lambda t=self.timeline: self._all_reduce_on_stream(bucket, t))
             return
         bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        done = self.timeline.done
+        done, clock = self.timeline.done, self.clock
+        # The callback runs once the work completes; on CUDA the future completes when the
+        # all-reduce is queued, but the callback's current stream waits for it, so the event
+        # the clock records there is reached when the all-reduce has ended.
         bucket.work.get_future().then(
-            lambda _fut, i=bucket.index: done.__setitem__(i, time.perf_counter()))
+            lambda _fut, i=bucket.index: done.__setitem__(i, clock.stamp()))
 
     def _all_reduce_on_stream(self, bucket: Bucket, timeline: StepTimeline) -> None:
         """A :class:`CommStream` job: sum one bucket over the ranks, on the link."""
-        timeline.started[bucket.index] = time.perf_counter()
+        timeline.started[bucket.index] = self.clock.stamp()
         all_reduce_sum(bucket.buffer, self.process_group)
-        timeline.done[bucket.index] = time.perf_counter()
+        timeline.done[bucket.index] = self.clock.stamp()
 
     # -- after backward --
 
@@ -575,7 +528,7 @@ class DDP(_SyncMixin, JoinMixin, nn.Module):
             bucket.arrived.clear()
             bucket.state, bucket.work = BucketState.FILLING, None
         self._next_launch = 0
-        self.timeline.finished = time.perf_counter()
+        self.timeline.finished = self.clock.stamp()
 
     def _globally_used(self) -> list[bool]:
         """One extra small all-reduce, after every bucket's: which parameters got a gradient

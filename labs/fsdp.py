@@ -80,7 +80,7 @@ from labs.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from labs.ddp import CommStream
+from labs.comm_stream import CommStream
 from labs.fsdp_collectives import (
     StreamReduction,
     all_gather_into,

@@ -98,7 +98,7 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, object]:
         control_step, first_step = steps
         same_gradients = all(torch.equal(p.grad, q.grad)
                              for p, q in zip(net.parameters(), twin.parameters(), strict=True))
-        timeline = model.timeline
+        timeline = model.timeline.resolved()
         calls.clear()
         for _ in range(3):  # accumulation: no communication
             with model.no_sync():

@@ -123,7 +123,7 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, object]:
         out[name] = sorted(times)[1]
         if name == "ddp":
             out["buckets"] = len(model.buckets)
-            out["first_done"] = timeline.done[0] - start_perf
+            out["first_done"] = timeline.resolved().done[0] - start_perf
             out["backward_end"] = backward_end
     return out
 

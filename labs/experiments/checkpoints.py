@@ -16,7 +16,6 @@ module, so it imports no plotting.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from labs.checkpoint import (
     shard_file_name,
     shard_pieces,
 )
+from labs.clock import now
 from labs.collectives import ring_all_gather
 from labs.ddp import broadcast_state
 from labs.fsdp import FSDP
@@ -194,9 +194,9 @@ def save_worker(rank: int, world_size: int, settings: CheckpointSettings,
                    for step in range(settings.steps))
     saved = _on_cpu(model.gather_full_params())
     saved_optimizer = gather_optimizer_state(model, optimizer)
-    started = time.perf_counter()
+    started = now(rank_device())
     save(path, model, optimizer, extra={"step": settings.steps})
-    seconds = time.perf_counter() - started
+    seconds = now(rank_device()) - started
     directory = Path(path)
     mine = [shard_file_name(rank, world_size)] + ([REPLICATED, INDEX] if rank == 0 else [])
     written = sum((directory / name).stat().st_size for name in mine)
@@ -218,9 +218,9 @@ def load_worker(rank: int, world_size: int, settings: CheckpointSettings,
     :func:`load` the checkpoint, gather the state, take the next step."""
     model = FSDP(settings.model(rank, fresh=True))
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-    started = time.perf_counter()
+    started = now(rank_device())
     load(path, model, optimizer)
-    seconds = time.perf_counter() - started
+    seconds = now(rank_device()) - started
     index = inspect(path)
     files = {saved_rank for unit in index.units
              for saved_rank, _, _ in shard_pieces(unit.numel, index.world_size, world_size,
@@ -364,10 +364,10 @@ def dcp_save_worker(rank: int, world_size: int, settings: CheckpointSettings,
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         for step in range(settings.steps):
             train_step(model, optimizer, settings, step, rank, world_size)
-    started = time.perf_counter()
+    started = now(rank_device())
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    seconds = time.perf_counter() - started
+    seconds = now(rank_device()) - started
     dist.barrier()  # every rank's files are complete before they are measured
     written = sum(f.stat().st_size for f in Path(path).glob(f"__{rank}_*.distcp"))
     if rank == 0:
@@ -384,7 +384,7 @@ def dcp_load_worker(rank: int, world_size: int, settings: CheckpointSettings,
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model, optimizer = _dcp_model(settings, rank, world_size, fresh=True)
-    started = time.perf_counter()
+    started = now(rank_device())
     # get_state_dict makes the optimizer's state (a step with zero gradients and lr 0), so
     # that dcp.load has tensors of the right layout to load into.
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -392,7 +392,7 @@ def dcp_load_worker(rank: int, world_size: int, settings: CheckpointSettings,
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    seconds = time.perf_counter() - started
+    seconds = now(rank_device()) - started
     _, optim_state = get_state_dict(model, optimizer)
     full, optimizer_state = _dcp_full(model, optim_state)
     return DcpReport(rank, world_size, full, optimizer_state, 0, seconds)

@@ -24,7 +24,6 @@ Ranks import this module to find the workers, so it imports nothing heavy (no ma
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -32,6 +31,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from labs.clock import now
 from labs.collectives import (
     Algorithm,
     Collective,
@@ -494,9 +494,9 @@ def planning_worker(
             before = buffers.program
             work.copy_(start_values)
             dist.barrier()
-            start = time.perf_counter()
+            start = now(work.device)
             ring_all_reduce(work, buffers=buffers)
-            seconds[kept] = time.perf_counter() - start
+            seconds[kept] = now(work.device) - start
             if i >= settings.warmup and buffers.program is not before:
                 compiled[0 if kept else 1] += 1
         if i >= settings.warmup:

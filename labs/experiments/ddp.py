@@ -369,6 +369,7 @@ def timeline_worker(rank: int, world_size: int, settings: StepSettings,
         synchronise(model)
         synchronize(rank_device())
         synchronised = time.perf_counter()
+    t = t.resolved()  # on a GPU: when the GPU got to each point
     if isinstance(model, DDP):
         ready = dict(t.grad_ready)
         labels = {i: f"bucket {i}" for i in t.launched}

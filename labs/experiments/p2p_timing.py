@@ -23,6 +23,7 @@ from labs.clock import synchronize
 from labs.collectives import exchange
 from labs.experiments.timing import Statistic, check_iters
 from labs.launcher import rank_device
+from labs.p2p import Peers
 
 # Ranks import this module to find their workers (time_p2p, time_reduction), so it imports
 # nothing heavy.
@@ -92,6 +93,7 @@ def time_p2p(
     if not isinstance(pattern, P2PPattern):
         raise TypeError(f"pattern must be a P2PPattern, got {pattern!r}.")
     device = rank_device()  # its own GPU under NCCL, else the CPU
+    peers = Peers.of(None, None)
     seconds = torch.zeros(len(found), iters, dtype=torch.float64)
     source = _p2p_source(rank, world_size, pattern)
     for i, size in enumerate(found):
@@ -106,12 +108,12 @@ def time_p2p(
                 exchange(outgoing, rank + 1, incoming, rank - 1)  # ranks taken mod N
             elif rank < 2 and pattern is P2PPattern.EXCHANGE:
                 exchange(outgoing, 1 - rank, incoming, 1 - rank)  # as the ring's steps do
-            elif rank == 0:
-                dist.send(outgoing, 1)
-                dist.recv(incoming, 1)
+            elif rank == 0:  # labs' messages: a CUDA tensor on gloo goes through host memory
+                peers.isend(outgoing, 1).wait()
+                peers.irecv(incoming, 1).wait()
             elif rank == 1:
-                dist.recv(incoming, 0)
-                dist.send(incoming, 0)
+                peers.irecv(incoming, 0).wait()
+                peers.isend(incoming, 0).wait()
             synchronize(device)
             took = time.perf_counter() - start
             if it >= warmup and (rank < 2 or pattern is P2PPattern.RING_STEP):

@@ -196,6 +196,7 @@ def timeline_worker(rank: int, world_size: int, width: int, layers: int, batch: 
         b1 = time.perf_counter()
         model.finish_gradient_synchronization()
         done = time.perf_counter()
+    t = t.resolved()
     spans = tuple((t.launched[i] - zero, t.done[i] - zero) for i in sorted(t.launched))
     return RankTimeline(rank, delays[rank], (f0 - zero, b0 - zero), (b0 - zero, b1 - zero),
                         spans, done - zero)

@@ -54,9 +54,9 @@ def sync_record(model: nn.Module, timed: BackwardTimes) -> SyncRecord | None:
     """The last micro-batch's :class:`SyncRecord`, from the wrapper's
     :class:`labs.ddp.StepTimeline` (None for a wrapper that keeps none, or a record with a
     gap: on the real transport a completion is recorded by a callback that may run late)."""
-    t = model.timeline if isinstance(model, (NaiveDDP, DDP)) else None
-    if t is None:
+    if not isinstance(model, (NaiveDDP, DDP)):
         return None
+    t = model.timeline.resolved()  # on a GPU: when the GPU got to each point
     if isinstance(model, DDP):
         ready = tuple(max(t.grad_ready.get(n, math.inf) for n in b.names)
                       for b in model.buckets)
