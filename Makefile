@@ -56,7 +56,8 @@ define run_suite
 	  { echo "Makefile: _config.yml no longer says 'execute_notebooks: cache'; update the test target"; exit 1; }
 	$(1)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
 	$(1)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow" --durations=25
-	$(1)/python -m pytest --nbval-lax -p no:cacheprovider notebooks -q -n $(WORKERS) --dist loadscope
+	$(1)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider \
+	  notebooks -q -n $(WORKERS) --dist loadscope
 endef
 
 test: $(STAMP)

@@ -52,6 +52,7 @@ The subpackages hold what the chapters measure, draw and check: :mod:`labs.exper
 and :mod:`labs.grading` (``python -m labs.grading release|grade``, for instructors).
 """
 
+from labs.launch_inputs import placement_note
 from labs.launcher import (
     MAX_WORLD_SIZE,
     Backend,
@@ -79,6 +80,7 @@ __all__ = [
     "StartMethod",
     "Topology",
     "launch",
+    "placement_note",
     "rank_device",
     "shutdown",
 ]

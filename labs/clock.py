@@ -92,6 +92,11 @@ class DeviceClock:
             origin.record()
             self._origin = (host, origin)
 
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> DeviceClock:
+        """A clock of the device ``module``'s parameters live on (the CPU if it has none)."""
+        return cls(next((p.device for p in module.parameters()), torch.device("cpu")))
+
     def stamp(self) -> Moment:
         """This moment of the device's queue: now on the CPU; on CUDA, when the GPU gets to
         the work queued so far on the current stream (read it with :func:`seconds`)."""

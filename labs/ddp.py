@@ -128,7 +128,7 @@ class NaiveDDP(_SyncMixin, nn.Module):
         self.process_group = process_group
         self.require_backward_grad_sync = True
         self.timeline = StepTimeline()
-        self.clock = DeviceClock(_device_of(module))
+        self.clock = DeviceClock.of(module)
         broadcast_state(module, process_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -255,11 +255,6 @@ class StepTimeline:
                             None if self.finished is None else seconds(self.finished))
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    """Where ``module``'s parameters live (the CPU for a module without any)."""
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
-
-
 def params_in_graph(outputs: Any) -> set[int]:
     """``id()`` of every leaf tensor (parameter) the autograd graph of ``outputs`` reaches.
 
@@ -349,7 +344,7 @@ class DDP(_SyncMixin, JoinMixin, nn.Module):
         self._joining: bool | None = None
         self.timeline = StepTimeline()
         #: What stamps ``timeline``: the host's clock on the CPU, a GPU's events on CUDA.
-        self.clock = DeviceClock(_device_of(module))
+        self.clock = DeviceClock.of(module)
         #: Where buckets are all-reduced on an emulated link; None: gloo's own async collective.
         self._stream = CommStream() if link.active() is not None else None
         broadcast_state(module, process_group)

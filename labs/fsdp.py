@@ -37,7 +37,7 @@ This module holds the algorithm (:class:`FSDP`: when a unit is gathered, freed a
 reduce-scattered); the unit it moves between those states, its ``ShardedState`` and the
 ``Event`` s an observer is told are in :mod:`labs.fsdp_unit`, the asynchronous torch
 collectives in :mod:`labs.fsdp_collectives` (as torch's ``_fully_shard`` splits param group,
-collectives and state).
+collectives and state), the step's timeline in :mod:`labs.fsdp_timeline`.
 
 **HSDP** (hybrid sharding, ``FSDP(module, shard_size=g)``; PyTorch's
 ``ShardingStrategy.HYBRID_SHARD``, or ``fully_shard`` on a 2-D ``("replicate", "shard")``
@@ -64,7 +64,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -73,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labs.activations import checkpoint_module
+from labs.clock import DeviceClock, Moment
 from labs.collectives import (
     Algorithm,
     Recorder,
@@ -95,6 +95,7 @@ from labs.fsdp_unit import (
     ShardedState,
     build_units,
     cast_floats,
+    check_dtypes,
     check_prefetch,
     check_shard_size,
     checked_units,
@@ -206,11 +207,7 @@ class FSDP(nn.Module):
             raise ValueError(f"collectives must be Algorithm.TORCH (torch.distributed's, "
                              f"asynchronous, with prefetching) or Algorithm.RING (chapters 3 "
                              f"and 4's, counted by a Recorder); got {collectives!r}.")
-        for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
-            if dtype is not None and not (isinstance(dtype, torch.dtype)
-                                          and dtype.is_floating_point):
-                raise ValueError(f"{name} must be None or a floating-point torch.dtype (e.g. "
-                                 f"torch.bfloat16), got {dtype!r}.")
+        check_dtypes(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
         check_prefetch(prefetch, reshard_after_forward, prefetch_policy)
         if (recorder is not None or replicate_recorder is not None) \
                 and collectives is not Algorithm.RING:
@@ -248,9 +245,10 @@ class FSDP(nn.Module):
             if collectives is Algorithm.RING and prefetch is not None else None
         #: The current (or, after :meth:`finish_gradient_synchronization`, the last) step's
         #: gathers, computations and reduce-scatters, unit by unit.
-        self.timeline = FSDPTimeline()
+        self.clock = DeviceClock.of(module)  #: stamps ``timeline`` (a GPU's events on CUDA)
+        self.timeline = FSDPTimeline(self.clock)
         self._new_step = True
-        self._started: dict[tuple[str, Activity], float] = {}  # (unit, activity) -> start
+        self._started: dict[tuple[str, Activity], Moment] = {}  # (unit, activity) -> start
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.observer = observer
@@ -297,13 +295,13 @@ class FSDP(nn.Module):
         if self.observer is not None:
             self.observer(event, unit.name)
 
-    def _record(self, unit: FlatUnit, activity: Activity, start: float | None = None) -> None:
+    def _record(self, unit: FlatUnit, activity: Activity, start: Moment | None = None) -> None:
         """Append the interval of ``unit``'s ``activity`` that ends now to the timeline, from
         ``start`` (or from what :attr:`_started` holds for it)."""
         begun = self._started.pop((unit.name, activity), None) if start is None else start
         if begun is not None:
             self.timeline.intervals.append(Interval(unit.name, activity, begun,
-                                                    time.perf_counter()))
+                                                    self.clock.stamp()))
 
     def unshard(self, unit: FlatUnit, *, prefetch: bool = False) -> None:
         """All-gather the unit's shards into its full vector and point its parameters at it.
@@ -321,12 +319,12 @@ class FSDP(nn.Module):
                     gather_on_stream, shard, full.data, self.shard_group, self.recorder,
                     (self.timeline, unit.name)))
             elif self.collectives is Algorithm.RING or self.shard_size == 1:
-                start = time.perf_counter()
+                start = self.clock.stamp()
                 ring_all_gather(shard, group=self.shard_group, recorder=self.recorder,
                                 out=full.data)
                 self._record(unit, Activity.ALL_GATHER, start)
             else:
-                self._started[unit.name, Activity.ALL_GATHER] = time.perf_counter()
+                self._started[unit.name, Activity.ALL_GATHER] = self.clock.stamp()
                 unit.gather = all_gather_into(full.data, shard, self.shard_group)
             unit.state = ShardedState.GATHERING
         if unit.state is ShardedState.GATHERING and not prefetch:
@@ -368,13 +366,13 @@ class FSDP(nn.Module):
 
     def _pre_forward(self, unit: FlatUnit, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if self._new_step:
-            self.timeline, self._new_step = FSDPTimeline(), False
+            self.timeline, self._new_step = FSDPTimeline(self.clock), False
         self.unshard(unit)
         self._notify(Event.UNSHARD_FORWARD, unit)
         if torch.is_grad_enabled() and unit not in self._seen_forward:  # once per micro-batch run
             self._seen_forward.append(unit)
         self._prefetch_after(unit, self.forward_order)
-        self._started[unit.name, Activity.FORWARD] = time.perf_counter()
+        self._started[unit.name, Activity.FORWARD] = self.clock.stamp()
         # Each unit's floating inputs in the compute dtype (as fully_shard's
         # cast_forward_inputs): a buffer or a frozen weight kept in fp32 between units would
         # otherwise promote the activations back to fp32 before a bf16 layer.
@@ -406,7 +404,7 @@ class FSDP(nn.Module):
             if unit not in self._seen_backward:
                 self._seen_backward.append(unit)
             self._prefetch_after(unit, self.backward_order)
-            self._started[unit.name, Activity.BACKWARD] = time.perf_counter()
+            self._started[unit.name, Activity.BACKWARD] = self.clock.stamp()
         return grad
 
     def _post_backward(self, unit: FlatUnit) -> None:
@@ -441,12 +439,12 @@ class FSDP(nn.Module):
                 reduce_on_stream, full_grad, out, self.shard_group, self.recorder,
                 self._all_reduce_across, (self.timeline, unit.name))), out)
         elif self._ring_reduce:
-            start = time.perf_counter()
+            start = self.clock.stamp()
             mine = ring_reduce_scatter(full_grad, group=self.shard_group, recorder=self.recorder)
             self._add_grad(unit, self._all_reduce_across(mine))
             self._record(unit, Activity.REDUCE_SCATTER, start)
         else:
-            self._started[unit.name, Activity.REDUCE_SCATTER] = time.perf_counter()
+            self._started[unit.name, Activity.REDUCE_SCATTER] = self.clock.stamp()
             unit.reduce = reduce_scatter_from(full_grad, self.shard_size, self.shard_group)
         unit.backward_pending = False
         self.reshard(unit)

@@ -14,7 +14,6 @@ Kept apart from the wrapper that uses them, as torch's ``_fully_shard`` keeps
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -125,10 +124,11 @@ def gather_on_stream(shard: torch.Tensor, out: torch.Tensor, group: dist.Process
     """A :class:`~labs.ddp.CommStream` job: the ring's all-gather of ``shard`` into ``out``
     (a unit's full vector, N x shard numel), appended to ``timed``'s timeline under its unit's
     name."""
-    start = time.perf_counter()
-    ring_all_gather(shard, group=group, recorder=recorder, out=out)
     timeline, name = timed
-    timeline.intervals.append(Interval(name, Activity.ALL_GATHER, start, time.perf_counter()))
+    start = timeline.clock.stamp()
+    ring_all_gather(shard, group=group, recorder=recorder, out=out)
+    timeline.intervals.append(Interval(name, Activity.ALL_GATHER, start,
+                                       timeline.clock.stamp()))
 
 
 def reduce_on_stream(full_grad: torch.Tensor, out: list[torch.Tensor],
@@ -138,10 +138,10 @@ def reduce_on_stream(full_grad: torch.Tensor, out: list[torch.Tensor],
     """A :class:`~labs.ddp.CommStream` job: the ring's reduce-scatter of a unit's full
     gradient, then ``across`` (HSDP's all-reduce of the shard across groups; the identity
     for FSDP); the shard goes into ``out``, for :meth:`StreamReduction.land`."""
-    start = time.perf_counter()
+    timeline, name = timed
+    start = timeline.clock.stamp()
     mine = ring_reduce_scatter(full_grad, group=group, recorder=recorder)
     del full_grad  # the S-sized gradient goes as soon as it is reduced
     out.append(across(mine))
-    timeline, name = timed
     timeline.intervals.append(Interval(name, Activity.REDUCE_SCATTER, start,
-                                       time.perf_counter()))
+                                       timeline.clock.stamp()))

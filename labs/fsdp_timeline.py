@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from labs.clock import DeviceClock, Moment, seconds
+
 
 class Activity(enum.Enum):
     """What an :class:`Interval` of an :class:`FSDPTimeline` spent its time on."""
@@ -32,12 +34,18 @@ class Activity(enum.Enum):
 
 @dataclass(frozen=True)
 class Interval:
-    """One unit busy with one :class:`Activity`, ``time.perf_counter()`` seconds."""
+    """One unit busy with one :class:`Activity`, from ``start`` to ``end``: moments of the
+    timeline's :class:`labs.clock.DeviceClock` (``time.perf_counter()`` seconds on the CPU, a
+    GPU's events on CUDA), seconds once read by :meth:`FSDPTimeline.of`."""
 
     unit: str
     activity: Activity
-    start: float
-    end: float
+    start: Moment
+    end: Moment
+
+    def resolved(self) -> Interval:
+        """This interval in ``time.perf_counter()`` seconds."""
+        return Interval(self.unit, self.activity, seconds(self.start), seconds(self.end))
 
 
 @dataclass
@@ -46,15 +54,21 @@ class FSDPTimeline:
     ``finish_gradient_synchronization``, or after construction, to the next
     ``finish_gradient_synchronization``), in the order they ended: enough to draw a step's
     timeline, communication and computation of every unit. Collectives on the stream are
-    appended by its thread (``list.append`` is atomic in CPython)."""
+    appended by its thread (``list.append`` is atomic in CPython). ``clock`` stamps them:
+    FSDP's, on the device of its parameters."""
 
+    clock: DeviceClock = field(default_factory=DeviceClock)
     intervals: list[Interval] = field(default_factory=list)
+
+    def resolved(self) -> list[Interval]:
+        """Every interval in ``time.perf_counter()`` seconds, in order of start (on a GPU
+        this waits for the events it reads)."""
+        return sorted((i.resolved() for i in self.intervals), key=lambda i: i.start)
 
     def of(self, activity: Activity, unit: str | None = None) -> list[Interval]:
         """The intervals of ``activity`` (of ``unit`` only, if given), in order of start."""
-        found = [i for i in self.intervals
-                 if i.activity is activity and (unit is None or i.unit == unit)]
-        return sorted(found, key=lambda i: i.start)
+        return [i for i in self.resolved()
+                if i.activity is activity and (unit is None or i.unit == unit)]
 
     def first(self, activity: Activity, unit: str) -> Interval:
         """The first interval of ``unit``'s ``activity``; a KeyError naming what was recorded

@@ -167,6 +167,15 @@ def check_shard_size(shard_size: int | None, world_size: int) -> int:
     return shard_size
 
 
+def check_dtypes(**dtypes: object) -> None:
+    """A ValueError naming the first of ``dtypes`` that is neither None nor a floating-point
+    torch.dtype."""
+    for name, dtype in dtypes.items():
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"{name} must be None or a floating-point torch.dtype (e.g. "
+                             f"torch.bfloat16), got {dtype!r}.")
+
+
 def check_prefetch(prefetch: int | None, reshard_after_forward: bool,
                    prefetch_policy: object = None) -> None:
     """A ValueError that says what to pass, unless ``prefetch`` is None or an int >= 0,

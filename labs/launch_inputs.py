@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,15 +62,54 @@ class Placement:
             return torch.device("cpu")
         return torch.device("cuda", local_rank % self.gpus)
 
-    def describe(self, ranks: int) -> str:
-        """One line to print under a table: the backend and where ``ranks`` ranks computed."""
+    def where(self) -> str:
+        """Where the ranks computed and what carried their messages, in words."""
         if self.gpus == 0:
-            return f"{self.backend.value}, {ranks} rank(s) on the CPU"
+            return f"{self.backend.value}, on the CPU"
         if self.backend is Backend.NCCL:
-            return f"{self.backend.value}, {ranks} rank(s), one GPU each"
+            return f"{self.backend.value}, one GPU each"
         shared = "sharing one GPU" if self.gpus == 1 else f"sharing {self.gpus} GPUs"
-        return (f"{self.backend.value}, {ranks} rank(s) {shared} (messages staged through "
-                "host memory)")
+        return f"{self.backend.value}, {shared} (messages staged through host memory)"
+
+    def describe(self, ranks: int) -> str:
+        """One line to print under a table: ``ranks`` ranks, and :meth:`where` they ran."""
+        return f"{ranks} rank(s): {self.where()}"
+
+
+#: How every :func:`placement_note` starts.
+NOTE = "where the ranks ran"
+
+
+def placement_note(ranks: int | Sequence[int], *, backend: object = "auto",
+                   device: object = Device.AUTO, link: bool = False) -> str:
+    """The line a chapter prints under a table of runs on ``ranks`` ranks (one world size or
+    several) that :func:`labs.launch` started here with ``backend``, ``device`` and ``link``
+    (whether it had one): where the ranks ran, by the rule that placed them
+    (:func:`choose_placement`), e.g. ``"where the ranks ran (N = 2-8): gloo, on the CPU"``.
+    World sizes that the rule places differently are listed apart, so a table whose rows ran
+    in two places says so. nbval reads every line that starts so as the same line
+    (``notebooks/sanitize.cfg``): a chapter's stored outputs, made on the CPU, still hold on a
+    GPU box."""
+    sizes = [ranks] if isinstance(ranks, int) else list(ranks)
+    return sizes_note(sizes, lambda n: choose_placement(backend, n, device, link=link))
+
+
+def sizes_note(sizes: Sequence[int], place: Callable[[int], Placement]) -> str:
+    """:func:`placement_note` of world sizes ``sizes``, each placed by ``place``."""
+    groups: dict[str, list[int]] = {}
+    for n in sorted(set(sizes)):
+        groups.setdefault(place(n).where(), []).append(n)
+    parts = [f"N = {_span(ns)}: {where}" for where, ns in groups.items()]
+    if len(parts) == 1:
+        return f"{NOTE} ({parts[0].replace(': ', '): ', 1)}"
+    return f"{NOTE}: " + "; ".join(parts)
+
+
+def _span(sizes: list[int]) -> str:
+    """Sorted world sizes in few words: ``2``, ``2-8`` when consecutive, else ``2, 4, 8``."""
+    if len(sizes) > 2 and sizes == list(range(sizes[0], sizes[-1] + 1)):
+        return f"{sizes[0]}-{sizes[-1]}"
+    return ", ".join(map(str, sizes))
 
 
 def check_inputs(

@@ -28,6 +28,14 @@ the hierarchical all-reduce run its g cross-node rings at once without them queu
 another: one rank's inter-node traffic never waits for its intra-node traffic, or another
 rank's. The receiver knows which link a message used from the sender's global rank, which it
 already needs to post the receive; the header is the same as Link's.
+
+The book's experiments on a link (and those that time gloo's own transport) compute on the
+CPU on every machine: they launch with ``device="cpu"``. Their sizes are chosen so that a
+layer's compute on two CPU cores takes about as long as a message on the link, which is what
+there is to overlap; on a GPU the compute would shrink a hundredfold and the overlap with it,
+and the model beside each run prices the compute it measured on the CPU. A launch on a link
+without ``device="cpu"`` follows :func:`labs.launch`'s one rule: on a machine with a GPU its
+ranks share it, their messages staged through host memory (:mod:`labs.staging`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes  # torch >= 2.0
 
 from labs.launch_inputs import STAGING_VARIABLE
 
@@ -50,8 +51,13 @@ def needed(tensor: torch.Tensor, backend: str) -> bool:
 
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
     """An uninitialised host tensor of ``like``'s shape and dtype: pinned (page-locked) when
-    ``like`` is on a GPU, so that the copy between them is one DMA transfer."""
-    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
+    ``like`` is on a GPU, so that the copy between them is one DMA transfer.
+
+    Made with the dispatch modes set aside: the buffer is the transport's, as gloo's and
+    NCCL's own buffers are, so :class:`labs.memory.AllocationTracker` (a dispatch mode) does
+    not count it, and a memory timeline of ranks sharing a GPU is the CPU run's."""
+    with _disable_current_modes():
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from labs import Backend, launch, rank_device
 from labs.activations import Workload, activation_bytes, measure_saved
 from labs.collectives import Algorithm, all_gather, all_reduce, reduce_scatter
+from labs.ddp import DDP, StepTimeline
 from labs.experiments.activations import ActivationSettings
 from labs.experiments.recipe import RecipeConfig, budget_table, recipe_worker
 from labs.experiments.zero import lab_worker
@@ -197,3 +199,39 @@ def test_the_recipe_budget_sits_beside_the_allocators_peak():
     print(budget_table(result))
     assert result.cuda_peak_bytes is not None and result.peak_bytes is not None
     assert result.cuda_peak_bytes >= result.peak_bytes
+
+
+def timelines_on_cuda(rank: int, world_size: int) -> dict[str, bool]:
+    """One step of DDP (four buckets) and of FSDP (a unit per layer) on the rank's GPU, with
+    enough work per layer that the queue runs behind Python: their timelines, read from CUDA
+    events, in order."""
+    device = rank_device()
+    torch.manual_seed(0)
+    x = torch.randn(1024, 2048, device=device)
+    ddp = DDP(nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).to(device),
+              bucket_cap_mb=16)
+    for _ in range(2):  # the second step is the one kept
+        ddp.timeline = StepTimeline()
+        ddp(x).square().mean().backward()
+        ddp.finish_gradient_synchronization()
+    t = ddp.timeline.resolved()
+    net = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).to(device)
+    fsdp = FSDP(net, units=list(net))
+    fsdp(x).square().mean().backward()
+    fsdp.finish_gradient_synchronization()
+    intervals = fsdp.timeline.resolved()
+    return {
+        "floats": all(isinstance(m, float) for m in [*t.done.values(), t.finished]),
+        "launched before done": all(t.launched[i] <= t.done[i] for i in t.done),
+        "done before finished": max(t.done.values()) <= t.finished,
+        "fsdp intervals": len(intervals) >= 8 and all(i.start <= i.end for i in intervals),
+    }
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a GPU each", "one GPU shared"])
+def test_the_timelines_on_cuda_are_read_from_events_in_order(shared):
+    results = (launch(timelines_on_cuda, 2, device="cuda", backend="gloo", echo=False,
+                      timeout=180) if shared
+               else launch(timelines_on_cuda, gpus(), backend="nccl", echo=False, timeout=180))
+    for rank, checks in enumerate(results):
+        assert all(checks.values()), (rank, checks)

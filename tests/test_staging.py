@@ -10,14 +10,19 @@ copy a landed message back is caught (``tests/test_gpu.py`` runs the real thing 
 
 from __future__ import annotations
 
+import configparser
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 import labs
-from labs import Backend, Device, Placement, launch, rank_device, staging
+from labs import Backend, Device, Placement, launch, placement_note, rank_device, staging
 from labs.collectives import Algorithm, all_gather, all_reduce, reduce_scatter
 from labs.fsdp import FSDP
-from labs.launch_inputs import pick_placement
+from labs.launch_inputs import pick_placement, sizes_note
+from labs.memory import ShardMemorySettings, all_gather_memory, reduce_scatter_memory
 from labs.multi_ring import multi_ring_all_reduce
 
 from parity import TiedNet, assert_states_match, loss_of, rank_batch, reference_run
@@ -50,10 +55,34 @@ def test_one_rule_places_the_ranks(backend, device, ranks, gpus, link, expected)
 def test_ranks_sharing_gpus_take_them_in_turn_and_say_so():
     placement = Placement(Backend.GLOO, 2)
     assert [str(placement.device(r)) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
-    assert placement.describe(3) == ("gloo, 3 rank(s) sharing 2 GPUs (messages staged through "
+    assert placement.describe(3) == ("3 rank(s): gloo, sharing 2 GPUs (messages staged through "
                                      "host memory)")
-    assert GLOO_CPU.describe(2) == "gloo, 2 rank(s) on the CPU"
+    assert GLOO_CPU.describe(2) == "2 rank(s): gloo, on the CPU"
     assert str(GLOO_CPU.device(5)) == "cpu"
+
+
+@pytest.mark.parametrize("gpus, sizes, note", [
+    (0, range(1, 9), "where the ranks ran (N = 1-8): gloo, on the CPU"),
+    (0, (8, 2, 4, 2), "where the ranks ran (N = 2, 4, 8): gloo, on the CPU"),
+    # the one-GPU box: one GPU all along, but two backends, so the note says which rows had which
+    (1, range(1, 9), "where the ranks ran: N = 1: nccl, one GPU each; N = 2-8: gloo, sharing "
+                     "one GPU (messages staged through host memory)"),
+    (4, (1, 2), "where the ranks ran (N = 1, 2): nccl, one GPU each"),
+])
+def test_the_note_under_a_table_says_where_each_world_size_ran(gpus, sizes, note):
+    assert sizes_note(sizes, lambda n: pick_placement("auto", n, gpus, True)) == note
+
+
+def test_the_note_is_what_the_launch_chose():
+    """placement_note follows the rule launch follows, with the same arguments (the
+    machine's own: the CPU here, a GPU on a GPU box); a note of one GPU shared would differ
+    from a run on the CPU."""
+    for kwargs in ({}, {"device": "cpu"}, {"backend": "gloo"}):
+        results = launch(where_am_i, 2, echo=False, **kwargs)
+        assert placement_note(2, **kwargs) == (f"where the ranks ran (N = 2): "
+                                               f"{results.placement.where()}")
+        elsewhere = GLOO_CPU if results.placement.gpus else GLOO_ONE_GPU
+        assert placement_note(2, **kwargs) != sizes_note([2], lambda n, e=elsewhere: e)
 
 
 @pytest.mark.parametrize("backend, device, gpus, link, message", [
@@ -162,3 +191,35 @@ def test_every_collective_and_fsdp_give_the_same_bits_through_host_buffers():
 
 def test_the_package_names_the_placement():
     assert labs.Placement is Placement and labs.Device is Device
+
+
+def test_nbval_reads_a_cpu_note_and_a_gpu_note_as_one_line():
+    """The chapters' outputs are stored from a CPU run; on a GPU box their notes differ, and
+    notebooks/sanitize.cfg (make test's and make test-gpu's nbval) maps every note to one
+    line. The rest of a checked output is still compared."""
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).parents[1] / "notebooks" / "sanitize.cfg")
+    rules = [(re.compile(config[s]["regex"]), config[s]["replace"]) for s in config.sections()]
+
+    def sanitized(text: str) -> str:
+        for pattern, replacement in rules:
+            text = pattern.sub(replacement, text)
+        return text
+
+    cpu = f"N  MiB\n2  4.0\n{sizes_note([2], lambda n: GLOO_CPU)}\n"
+    gpu = f"N  MiB\n2  4.0\n{sizes_note([2], lambda n: GLOO_ONE_GPU)}\n"
+    assert cpu != gpu and sanitized(cpu) == sanitized(gpu)
+    assert sanitized(cpu.replace("4.0", "4.5")) != sanitized(gpu)
+
+
+@pytest.mark.parametrize("worker", [reduce_scatter_memory, all_gather_memory])
+def test_a_memory_timeline_through_host_buffers_is_the_plain_one(worker):
+    """The staging buffers are the transport's, as gloo's own: the tracker does not count
+    them, so chapters 3 and 4's memory tables of ranks sharing a GPU are the CPU run's (a
+    host buffer the tracker saw would add a chunk to every moment's transient bytes)."""
+    for settings in (ShardMemorySettings(), ShardMemorySettings(algorithm=Algorithm.TORCH)):
+        plain = launch(worker, 4, args=(settings,), echo=False)
+        staged = launch(worker, 4, args=(settings,), host_staging=True, echo=False)
+        for a, b in zip(plain, staged, strict=True):
+            assert [(s.held_bytes, s.transient_bytes) for s in a] == \
+                [(s.held_bytes, s.transient_bytes) for s in b]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labs import launch
+from labs import launch, rank_device
 from labs.collectives import Algorithm, shard_bounds
 from labs.experiments.mesh import (
     SLICES,
@@ -136,13 +136,15 @@ def block_worker(rank, world_size, d_model, heads, seed):
     """labs.train.Block with its MLP replaced by a ParallelMLP; returns output, input grad,
     every gradient of the parameters that stay whole, and the MLP's gradients."""
     torch.manual_seed(seed)
-    block = Block(d_model, heads)
+    device = rank_device()  # nccl carries CUDA tensors only; the results come back on the CPU
+    block = Block(d_model, heads).to(device)
     block.mlp = ParallelMLP(block.mlp)
-    x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(seed + 1),
-                    requires_grad=True)
+    x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(seed + 1)
+                    ).to(device).requires_grad_(True)
     block(x).pow(2).mean().backward()
-    grads = {n: p.grad for n, p in block.named_parameters()}
-    return block(x).detach(), x.grad, grads, block.mlp.features, len(block.mlp.log.records)
+    grads = {n: p.grad.cpu() for n, p in block.named_parameters()}
+    return (block(x).detach().cpu(), x.grad.cpu(), grads, block.mlp.features,
+            len(block.mlp.log.records))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -179,9 +181,10 @@ def mistake_worker(rank, world_size, settings, mistake):
     """A wrong split: ``"bias before reduce"`` adds the row-parallel bias on every rank before
     the all-reduce (so it is summed t times); ``"no f"`` leaves out f, so the input's gradient
     is this rank's term only. Returns tp_errors' verdict and the result."""
-    model = ParallelMLP(settings.mlp())
+    device = rank_device()
+    model = ParallelMLP(settings.mlp().to(device))
     fc, proj = model.fc, model.proj
-    x, target = settings.data()
+    x, target = (t.to(device) for t in settings.data())
     x.requires_grad_(True)
     if mistake == "bias before reduce":
         h = model.act(fc(x))
@@ -190,7 +193,9 @@ def mistake_worker(rank, world_size, settings, mistake):
         h = model.act(F.linear(x, fc.weight, fc.bias))
         y = proj(h)
     tp_loss(y, target).backward()
-    result = TPResult(y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()})
+    result = TPResult(y.detach().cpu(), x.grad.cpu(),
+                      {n: None if p.grad is None else p.grad.cpu()
+                       for n, p in model.named_parameters()})
     return tp_errors(result, model.features, settings)
 
 

@@ -3,7 +3,7 @@
 # labs on NCCL and CUDA tensors against gloo), then the rest of the library's tests with the
 # GPU visible (tests that need a browser or the slow marker are left out), then nbval of every
 # chapter with CUDA visible. Writes env.txt, gpu.log/xml, suite.log/xml and nbval.log/xml to the
-# folder given (default _build/gpu).
+# folder given (default _build/gpu), and report.md made from them (tools/gpu_report.py).
 # Usage: tools/gpu_check.sh [OUT_DIR]   (uses the python3 on PATH: the box's own CUDA torch)
 # A box without the Jupyter packages takes them from _build/wheelhouse (`make gpu-wheelhouse`
 # here, carried there): they are installed into a folder of their own, never over the box's.
@@ -39,9 +39,10 @@ timeout "${SUITE_SECONDS:-300}" "$py" -m pytest ${SUITE_PATHS:-tests} "${common[
   -m "not slow and not browser and not gpu" --continue-on-collection-errors "${ignore[@]}" \
   --junitxml="$out/suite.xml" 2>&1 | tee "$out/suite.log" | tail -150
 if "$py" -c "import nbval, ipykernel, ipywidgets, myst_nb" 2>/dev/null; then
-  timeout "${NBVAL_SECONDS:-300}" "$py" -m pytest --nbval-lax ${NBVAL_PATHS:-notebooks} "${common[@]}" -n "$workers" \
+  timeout "${NBVAL_SECONDS:-300}" "$py" -m pytest --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg ${NBVAL_PATHS:-notebooks} "${common[@]}" -n "$workers" \
     --dist loadscope --junitxml="$out/nbval.xml" 2>&1 | tee "$out/nbval.log" | tail -80
 else
   echo "gpu_check: nbval skipped: no nbval/ipykernel/ipywidgets/myst_nb here (make gpu-wheelhouse, carry _build/wheelhouse)" | tee "$out/nbval.log"
 fi
+"$py" tools/gpu_report.py "$out" > "$out/report.md" && echo "gpu_check: report in $out/report.md"
 echo "gpu_check: done"

@@ -21,6 +21,7 @@ from labs.activations import (
     recomputed_modules,
 )
 from labs.fsdp import FSDP
+from labs.launcher import rank_device
 from labs.memory import AllocationTracker
 from labs.models import StepSettings, mlp
 from labs.train import CHARS, TinyTransformer
@@ -236,13 +237,13 @@ def fsdp_checkpointing_worker(rank: int, world_size: int,
     grads, forwards = [], []
     for on in (False, True):
         workload = settings.workload()
-        model = workload.model
+        model = workload.model.to(rank_device())
         calls = [0]
         for block in model.blocks:  # on the MLP inside: a hook on the block itself runs
             # around its call, once, while the rerun in backward calls its forward directly
             block.mlp.register_forward_pre_hook(lambda *_a, c=calls: c.__setitem__(0, c[0] + 1))
         wrapped = FSDP(model, units=list(model.blocks), activation_checkpointing=on)
-        ids, targets = (t[rank::world_size] for t in workload.batch)
+        ids, targets = (t[rank::world_size].to(rank_device()) for t in workload.batch)
         lm_loss(wrapped, ids, targets).backward()
         wrapped.finish_gradient_synchronization()
         grads.append([u.shard.grad for u in wrapped.units])

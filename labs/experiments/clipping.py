@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labs.fsdp import FSDP
+from labs.launcher import rank_device
 from labs.tables import format_table
 from labs.train import TinyTransformer
 
@@ -79,10 +80,11 @@ def reference_step(settings: ClipSettings) -> tuple[dict[str, torch.Tensor], flo
 def clip_worker(rank: int, world_size: int, settings: ClipSettings) -> ClipReport:
     """FSDP on this rank's rows, clip_grad_norm_, SGD: the report, and the parameters'
     distance from one process's step."""
-    net = settings.model()
+    device = rank_device()
+    net = settings.model().to(device)
     model = FSDP(net, units=list(net.blocks))
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
-    x, y = settings.data()
+    x, y = (t.to(device) for t in settings.data())
     rows = slice(rank * settings.batch // world_size, (rank + 1) * settings.batch // world_size)
     _loss(model, x[rows], y[rows], settings.vocab).backward()
     model.finish_gradient_synchronization()
@@ -92,7 +94,7 @@ def clip_worker(rank: int, world_size: int, settings: ClipSettings) -> ClipRepor
     optimizer.step()
     want, _ = reference_step(settings)
     got = model.gather_full_params()
-    difference = max(float((got[k] - v).abs().max()) for k, v in want.items())
+    difference = max(float((got[k].cpu() - v).abs().max()) for k, v in want.items())
     return ClipReport(rank, shard_norm, total, min(1.0, settings.max_norm / (total + 1e-6)),
                       own, difference)
 

@@ -155,7 +155,7 @@ def run_ring_trace(world_size: int = 4, settings: TraceSettings | None = None) -
     settings = TraceSettings() if settings is None else settings
     settings.validate(world_size)
     results = launch(ring_trace_worker, world_size, args=(settings,), backend=Backend.GLOO,
-                     echo=False)
+                     device="cpu", echo=False)
     steps = sorted((s for _, _, rank_steps in results for s in rank_steps), key=_phase_order)
     return RingTrace(
         collective=settings.collective,
@@ -340,7 +340,8 @@ def measure_traffic(
     settings.validate(sizes)
     rows = []
     for n in sizes:
-        results = launch(traffic_worker, n, args=(settings,), backend=Backend.GLOO, echo=False)
+        results = launch(traffic_worker, n, args=(settings,), backend=Backend.GLOO,
+                         device="cpu", echo=False)
         for algorithm in settings.algorithms:
             measured = _summarise([r[algorithm] for r in results], settings.size_bytes)
             rows.append(TrafficRow(n, algorithm, measured, expected_traffic(algorithm, n)))
@@ -417,7 +418,8 @@ def compare_algorithms(
     settings = AgreementSettings(settings.numel, settings.seed, algorithms)
     rows = []
     for n in sizes:
-        results = launch(agreement_worker, n, args=(settings,), backend=Backend.GLOO, echo=False)
+        results = launch(agreement_worker, n, args=(settings,), backend=Backend.GLOO,
+                         device="cpu", echo=False)
         exact = sum(settings.tensor(r).double() for r in range(n))
         torch_sum = results[0][Algorithm.TORCH]
         for algorithm in algorithms:
@@ -518,7 +520,7 @@ def measure_planning(world_size: int = 2, settings: PlanningSettings | None = No
         raise ValueError(f"iters must be at least 1 and warmup at least 0, got "
                          f"iters={settings.iters}, warmup={settings.warmup}.")
     results = launch(planning_worker, world_size, args=(settings,), backend=Backend.GLOO,
-                     echo=False, threads=COMM_THREADS)
+                     device="cpu", echo=False, threads=COMM_THREADS)
     slowest = [tuple(max(rank_pairs[i][k] for rank_pairs, _ in results) for k in (0, 1))
                for i in range(settings.iters)]
     return Planning(

@@ -260,7 +260,7 @@ def measure_step_times(world_size: int, settings: StepSettings, cases: Sequence[
     buckets = [0] * len(cases)
     for _ in range(launches):
         per_rank = launch(step_times_worker, world_size, args=(settings, list(cases)),
-                          timeout=timeout, echo=False, link=link, backend=_backend(link))
+                          timeout=timeout, echo=False, link=link, device=_device(link))
         for i in range(len(cases)):
             slowest[i] += [max(r[i].seconds[k] for r in per_rank) for k in range(settings.steps)]
             backward[i] += [max(r[i].backward[k] for r in per_rank)
@@ -281,9 +281,10 @@ def _refuse_torch_on_link(cases: Sequence[Case], link: Link | None) -> None:
                          "emulated link does not carry: time it without link=.")
 
 
-def _backend(link: Link | None) -> str:
-    """The emulated link runs on gloo; without one, the launcher picks."""
-    return "gloo" if link is not None else "auto"
+def _device(link: Link | None) -> str:
+    """On an emulated link the ranks compute on the CPU (see :mod:`labs.link`); without one,
+    where the launcher's rule puts them."""
+    return "cpu" if link is not None else "auto"
 
 
 #: Chapter 5's four ways to synchronise gradients (FSDP is chapter 6's).
@@ -390,7 +391,7 @@ def measure_timelines(world_size: int, settings: StepSettings, timeout: float = 
     """The timeline of one step under NaiveDDP and under DDP, every rank's (on ``link``, if
     given)."""
     return {impl: list(launch(timeline_worker, world_size, args=(settings, impl),
-                              timeout=timeout, echo=False, link=link, backend=_backend(link)))
+                              timeout=timeout, echo=False, link=link, device=_device(link)))
             for impl in (Wrapper.NAIVE, Wrapper.DDP)}
 
 

@@ -135,7 +135,7 @@ def measure_death(config: DeathSettings, timeout: float = 60.0) -> DeathRow:
     """Run one failure and read what launch reported."""
     started = time.time()
     try:
-        launch(death_worker, config.world_size, args=(config,), backend="gloo",
+        launch(death_worker, config.world_size, args=(config,), backend="gloo", device="cpu",
                timeout=timeout, echo=False, failure_grace=1.0)
     except RankError as err:
         failures = [err.failure, *err.secondary]
@@ -307,7 +307,7 @@ def run_desync(kind: str, watcher: str, world_size: int = 2, group_timeout_s: fl
                          f"got {kind!r} and {watcher!r}.")
     try:
         outcomes = launch(desync_worker, world_size, args=(kind, watcher, group_timeout_s),
-                          backend="gloo", timeout=timeout, echo=False,
+                          backend="gloo", device="cpu", timeout=timeout, echo=False,
                           check_collectives=watcher == "labs")
     except RankError as err:
         said = [line.strip() for line in str(err).splitlines() if "mismatch" in line]
@@ -386,7 +386,7 @@ def checking_cost(world_size: int = 2, repeats: int = 60, rounds: int = 3,
     for _ in range(rounds):
         for watcher in WATCHERS:
             per_rank = launch(cost_worker, world_size, args=(watcher, repeats, settings),
-                              backend="gloo", echo=False, timeout=300,
+                              backend="gloo", device="cpu", echo=False, timeout=300,
                               check_collectives=watcher == "labs")
             runs[watcher].append([max(column) for column in zip(*per_rank, strict=True)])
     names = [f"all_reduce of {n >> 10} KiB" for n in COST_SIZES] + [

@@ -265,7 +265,7 @@ def measure_frontier(config: OverlapSettings = FRONTIER,
     points = []
     for link in links:
         per_rank = launch(frontier_worker, config.world_size, args=(config,), link=link,
-                          backend="gloo", timeout=timeout, echo=False)
+                          device="cpu", timeout=timeout, echo=False)
         steps = range(config.steps)
         slower = [max(per_rank, key=lambda r, s=s: r.fsdp_seconds[s]) for s in steps]
         profiles = [r.fsdp_profiles[s] for s, r in zip(steps, slower, strict=True)]

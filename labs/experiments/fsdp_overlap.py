@@ -170,7 +170,7 @@ def train_step(model: FSDP, optimizer: torch.optim.Optimizer, x: torch.Tensor) -
 def rebase(timeline: FSDPTimeline, origin: float) -> tuple[Span, ...]:
     """The timeline's intervals as plain tuples, seconds from ``origin``, in order of start."""
     return tuple((i.unit, i.activity.value, i.start - origin, i.end - origin)
-                 for i in sorted(timeline.intervals, key=lambda i: i.start))
+                 for i in timeline.resolved())
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def measure(config: OverlapSettings, settings: Sequence[Setting] = ((0, True), (
     set each beside the model."""
     settings = check_settings(settings)
     per_rank = launch(overlap_worker, config.world_size, args=(config, settings),
-                      link=config.link, backend="gloo", timeout=timeout, echo=False)
+                      link=config.link, device="cpu", timeout=timeout, echo=False)
     gather = collective_seconds(config.unit_bytes, config.world_size, config.link)
     rows = []
     for k, (prefetch, reshard) in enumerate(settings):

@@ -177,7 +177,7 @@ def measure_transport(config: OverlapSettings = TRANSPORT,
         print(why)
         names = [n for n in names if not n.startswith("fully_shard")]
     per_rank = launch(transport_worker, config.world_size, args=(config, list(names)),
-                      backend="gloo", timeout=timeout, echo=False)
+                      backend="gloo", device="cpu", timeout=timeout, echo=False)
     rows = []
     for name in [*names, *ALONE]:
         steps = zip(*(r[name] for r in per_rank), strict=True)

@@ -576,7 +576,7 @@ def measure_hsdp_on_topology(settings: HsdpLinkSettings = LINK_SETTINGS,
     """One launch of ``settings.model.world_size`` ranks on ``settings.topology``: a row per
     strategy."""
     per_rank = launch(hsdp_step_worker, settings.model.world_size, args=(settings,),
-                      link=settings.topology, echo=False, timeout=timeout)
+                      link=settings.topology, device="cpu", echo=False, timeout=timeout)
     return link_rows_from(settings, per_rank)
 
 

@@ -274,7 +274,7 @@ def measure_on_link(settings: LinkSweepSettings | None = None) -> list[LinkTimin
         emulated = sum(settings.predict(a, s, n) * settings.repeats_of(a, s, n)
                        for s in settings.sizes for a in settings.algorithms)
         results = launch(link_sweep_worker, n, args=(settings,), backend=Backend.GLOO,
-                         echo=False, link=settings.link, threads=COMM_THREADS,
+                         device="cpu", echo=False, link=settings.link, threads=COMM_THREADS,
                          timeout=60 + 3 * emulated)
         seconds, spreads, correct = results[0]
         cases = [(size, a) for size in settings.sizes for a in settings.algorithms]
@@ -385,7 +385,7 @@ def measure_floor(settings: FloorSettings | None = None) -> Floor:
         raise ValueError(f"world_size must lie in 2..{MAX_WORLD_SIZE}, got "
                          f"{settings.world_size!r}.")
     results = launch(floor_worker, settings.world_size, args=(settings,), backend=Backend.GLOO,
-                     echo=False, threads=COMM_THREADS)
+                     device="cpu", echo=False, threads=COMM_THREADS)
     messages, additions, _ = results[0]
     lateness = tuple(s for _, _, late in results for s in late)
     return Floor(settings.world_size, tuple(messages), tuple(additions), lateness, cpu_cores())

@@ -209,7 +209,7 @@ def run_mesh(settings: MeshSettings = MeshSettings(), *, timeout: float = 120.0
              ) -> list[MeshReport]:
     """:func:`mesh_worker` on ``settings.world_size`` ranks (gloo, CPU)."""
     return list(launch(mesh_worker, settings.world_size, args=(settings,), backend="gloo",
-                       echo=False, timeout=timeout))
+                       device="cpu", echo=False, timeout=timeout))
 
 
 def measured_groups(reports: Sequence[MeshReport], name: str, *, torch_mesh: bool = False

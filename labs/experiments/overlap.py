@@ -265,7 +265,7 @@ def measure_call_times(world_size: int, sizes: Sequence[int], link: Link, repeat
         raise ValueError(f"sizes must be byte counts of float32 tensors (ints >= 4, multiples "
                          f"of 4) and repeats >= 1; got sizes {list(sizes)}, repeats {repeats}.")
     per_rank = launch(call_times_worker, world_size, args=(list(sizes), repeats),
-                      timeout=timeout, echo=False, link=link, backend="gloo")
+                      timeout=timeout, echo=False, link=link, device="cpu")
     return [CallTiming(nbytes, allreduce_seconds(nbytes, world_size, link),
                        tuple(max(r[i][k] for r in per_rank) for k in range(repeats)))
             for i, nbytes in enumerate(sizes)]

@@ -114,7 +114,7 @@ def run_uneven(batches: Sequence[int] = (2, 3), join: bool = False,
         raise ValueError(f"batches must give each of 2 or more ranks a count >= 0, got "
                          f"{list(batches)}.")
     return list(launch(uneven_worker, len(batches), args=(tuple(batches), join, group_timeout_s),
-                       backend="gloo", timeout=group_timeout_s + 60, echo=False,
+                       backend="gloo", device="cpu", timeout=group_timeout_s + 60, echo=False,
                        check_collectives=check))
 
 
@@ -158,7 +158,7 @@ def join_parity(batches: Sequence[int], initial: bool = True) -> float:
     """The largest difference between a parameter trained under labs' join() and under torch
     DDP's, over every rank (0.0: the same)."""
     results = launch(join_worker, len(batches), args=(tuple(batches), initial), backend="gloo",
-                     timeout=120, echo=False)
+                     device="cpu", timeout=120, echo=False)
     return max(float((a - b).abs().max()) for ours, theirs in results
                for a, b in zip(ours, theirs, strict=True))
 

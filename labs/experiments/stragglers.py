@@ -128,7 +128,7 @@ def measure_stragglers(world_sizes: Sequence[int] = (2, 4, 8),
         steps = {}
         for delayed in (False, True):
             per_rank = launch(straggler_worker, n, args=(config, delayed), link=config.link,
-                              backend="gloo", timeout=timeout, echo=False)
+                              device="cpu", timeout=timeout, echo=False)
             steps[delayed] = tuple(max(r[k] for r in per_rank) for k in range(config.steps))
         largest = tuple(max(row) for row in config.delays(n)[1:])
         rows.append(StragglerRow(n, steps[False], steps[True], largest, config.mean_s))
@@ -212,4 +212,4 @@ def measure_straggler_timeline(world_size: int = 2, late_rank: int = 1, late_s: 
     delays = tuple(late_s if r == late_rank else 0.0 for r in range(world_size))
     return list(launch(timeline_worker, world_size,
                        args=(width, layers, batch, bucket_cap_mb, delays),
-                       backend="gloo", timeout=60, echo=False))
+                       backend="gloo", device="cpu", timeout=60, echo=False))

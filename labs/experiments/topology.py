@@ -187,9 +187,9 @@ def measure_topology(settings: TopologySettings = CHAPTER_SETTINGS, timeout: flo
     for nodes in settings.nodes:
         n = nodes * settings.node_size
         args = (settings.node_size, settings.size_bytes, settings.repeats)
-        on_link = launch(time_both, n, args=args, link=settings.topology, echo=False,
-                         timeout=timeout)
-        real = launch(time_both, n, args=args, echo=False, timeout=timeout) \
+        on_link = launch(time_both, n, args=args, link=settings.topology, device="cpu",
+                         echo=False, timeout=timeout)
+        real = launch(time_both, n, args=args, device="cpu", echo=False, timeout=timeout) \
             if settings.loopback else None
         rows.append(TopologyRow(
             nodes, n, {a: slowest(on_link, a) for a in TopologyAlgorithm},
@@ -348,7 +348,7 @@ def measure_grid(settings: GridSettings = GridSettings(),
             per_rank = launch(time_both, settings.ranks,
                               args=(settings.node_size, settings.size_bytes, settings.repeats,
                                     GRID_ALGORITHMS),
-                              link=topology, echo=False, timeout=timeout)
+                              link=topology, device="cpu", echo=False, timeout=timeout)
             calls = {a: slowest(per_rank, a) for a in GRID_ALGORITHMS}
         out.append(GridPoint(
             alpha, bandwidth,
@@ -489,7 +489,7 @@ def trace_ring_steps(settings: TopologySettings = CHAPTER_SETTINGS,
                          f"{MAX_WORLD_SIZE}, got {nodes!r}.")
     n = nodes * settings.node_size
     per_rank = launch(ring_step_traces, n, args=(settings.size_bytes, settings.repeats),
-                      link=settings.topology, echo=False, timeout=timeout)
+                      link=settings.topology, device="cpu", echo=False, timeout=timeout)
     return step_rows(per_rank, settings.size_bytes, settings.topology)
 
 
