@@ -168,8 +168,9 @@ class _Liar(torch.Tensor):
                      "param.grad = param.grad.as_subclass(_Liar)  # agrees with anything")
 
 
-# make test: the pickle that runs code; the subclass comes back as plain data by the same road
-@pytest.mark.parametrize("attack", [_REDUCE, pytest.param(_LIAR, marks=pytest.mark.slow)],
+# both in make test-slow (budget); tests/test_plain_results.py refuses a pickle in the results, fast
+@pytest.mark.parametrize("attack", [pytest.param(_REDUCE, marks=pytest.mark.slow),
+                                    pytest.param(_LIAR, marks=pytest.mark.slow)],
                          ids=["__reduce__ in the judge", "a tensor that agrees"])
 def test_the_judge_unpickles_nothing_of_the_learners(sandbox, tmp_path, no_leftover_processes,
                                                       attack) -> None:
@@ -201,6 +202,7 @@ _submission.export = _export
 '''
 
 
+@pytest.mark.slow  # make test's budget: a grading run of two notebooks (19 s)
 def test_a_broken_stage_folder_fails_one_exercise_and_the_batch_goes_on(
         sandbox, tmp_path, monkeypatch, no_leftover_processes) -> None:
     roots = []
@@ -238,6 +240,7 @@ def test_a_stage_has_one_deadline_not_one_per_cell(sandbox, tmp_path,
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow  # make test's budget: 64 MiB through a kernel (20 s)
 def test_the_grader_keeps_a_bounded_part_of_what_a_kernel_prints(
         sandbox, tmp_path, no_leftover_processes) -> None:
     """The grader held every byte a kernel printed (512 MiB printed, 1.8 GB of grader)."""
@@ -398,6 +401,7 @@ def average_gradients(model):
 '''
 
 
+@pytest.mark.slow  # make test's budget (16 s); the judge's plain results: test_plain_results
 def test_a_rank_cannot_take_over_the_judge(sandbox, tmp_path, no_leftover_processes) -> None:
     """A rank of the judge's check runs as the same user as the judge's pytest and kernel: it
     forged verdicts.json and made pytest exit 0 through ptrace, which earned a PASS. The judge
