@@ -10,7 +10,15 @@ import statistics
 
 import pytest
 
-from labs.experiments.faults import DeathSettings, first_desync, measure_death, run_desync
+from labs.experiments.faults import (
+    CostRow,
+    DeathSettings,
+    cost_table,
+    cost_verdicts,
+    first_desync,
+    measure_death,
+    run_desync,
+)
 from labs.experiments.recipe import RecipeConfig
 from labs.experiments.recovery import torchrun_command
 from labs.experiments.stragglers import (
@@ -109,3 +117,20 @@ def test_the_torchrun_command_holds_the_run_or_says_what_it_cannot_hold(tmp_path
     assert "--no-checkpointing" in command
     with pytest.raises(ValueError, match="no --heads or --seq-len"):
         torchrun_command(dataclasses.replace(config, seq_len=16), str(tmp_path), 6, 3)
+
+
+def test_a_watchers_cost_is_read_against_the_machines_own_spread():
+    """Arithmetic of the cost table: fastest blocks against fastest, and a verdict that says
+    whether the difference stands above the unchecked blocks' spread (median - fastest)."""
+    ms = 1e-3
+    row = CostRow("all_reduce of 4 KiB", {"none": (1.0 * ms, 1.5 * ms, 1.2 * ms),
+                                          "detail": (3.0 * ms, 3.1 * ms, 3.3 * ms),
+                                          "labs": (1.1 * ms, 1.0 * ms, 1.4 * ms)})
+    assert row.seconds == {"none": 1.0 * ms, "detail": 3.0 * ms, "labs": 1.0 * ms}
+    assert row.spread("none") == pytest.approx(0.2 * ms)
+    assert cost_verdicts([row]) == [
+        "all_reduce of 4 KiB: DETAIL adds +2000 µs, more than the unchecked blocks' spread "
+        "(200 µs)",
+        "all_reduce of 4 KiB: check_collectives adds +0 µs, not more than the unchecked "
+        "blocks' spread (200 µs)"]
+    assert "1000 / 1200" in cost_table([row]) and "+2000" in cost_table([row])

@@ -332,78 +332,119 @@ def desync_table(rows: Sequence[DesyncRow]) -> str:
 COST_SIZES = (4 << 10, 1 << 20)
 
 
-def cost_worker(rank: int, world_size: int, watcher: str, repeats: int,
-                settings: StepSettings) -> list[float]:
-    """The median seconds of one all-reduce of each of :data:`COST_SIZES`, back to back, then
-    of one step of chapter 5's MLP under labs' DDP, on a group that ``watcher`` watches."""
-    if watcher == "detail":
-        dist.set_debug_level(dist.DebugLevel.DETAIL)
-    group = dist.new_group()  # wrapped by torch's checks when DETAIL is set
-    out = []
-    for nbytes in COST_SIZES:
-        x = torch.ones(nbytes // 4)
-        for _ in range(10):  # warm-up: the first calls set up the transport's buffers
-            dist.all_reduce(x, group=group)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dist.all_reduce(x, group=group)
-            times.append(time.perf_counter() - start)
-        out.append(statistics.median(times))
-    model = DDP(mlp(settings), settings.bucket_cap_mb, process_group=group)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+#: Blocks of back-to-back calls :func:`cost_worker` times of each thing under each watcher.
+COST_BLOCKS = 7
+
+
+def cost_worker(rank: int, world_size: int, repeats: int, settings: StepSettings
+                ) -> dict[str, list[list[float]]]:
+    """Seconds per call, under each of :data:`WATCHERS`, of an all-reduce of each of
+    :data:`COST_SIZES` and of one step of chapter 5's MLP under labs' DDP, in a launch with
+    ``check_collectives=True``, all three watchers in these same processes: "none" calls
+    torch's unchecked function (the one labs' check wraps) on a plain group, "detail" the
+    same on a group made under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch wraps the groups made
+    after it is set), "labs" the checked function on the plain group. The watchers take turns
+    block by block (``repeats`` all-reduces, or ``settings.steps`` steps, back to back), so a
+    slow moment of the machine or of the transport falls on each alike. Returns, per watcher
+    and thing timed, the :data:`COST_BLOCKS` blocks' seconds per call."""
+    plain = dist.new_group()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    detailed = dist.new_group()  # wrapped: a barrier and a fingerprint before each collective
+    checked = dist.all_reduce
+    unchecked = getattr(checked, "__wrapped__", checked)
+    groups = {"none": plain, "detail": detailed, "labs": plain}
+    sources = {"none": unchecked, "detail": unchecked, "labs": checked}
+    models = {w: DDP(mlp(settings), settings.bucket_cap_mb, process_group=groups[w])
+              for w in WATCHERS}
+    optimizers = {w: torch.optim.SGD(m.parameters(), lr=1e-3) for w, m in models.items()}
     x = torch.randn(settings.batch, settings.width, generator=torch.Generator().manual_seed(rank))
-    times = []
-    for step in range(settings.warmup + settings.steps):
-        start = time.perf_counter()
-        model(x).square().mean().backward()
-        model.finish_gradient_synchronization()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= settings.warmup:
-            times.append(time.perf_counter() - start)
-    out.append(statistics.median(times))
-    return out
+
+    def step(watcher: str) -> None:
+        models[watcher](x).square().mean().backward()
+        models[watcher].finish_gradient_synchronization()
+        optimizers[watcher].step()
+        optimizers[watcher].zero_grad(set_to_none=True)
+
+    tensors = [torch.ones(nbytes // 4) for nbytes in COST_SIZES]
+    calls = [(lambda w, t=t: sources[w](t, group=groups[w]), repeats) for t in tensors]
+    calls.append((step, settings.steps))
+    blocks: dict[str, list[list[float]]] = {w: [[] for _ in calls] for w in WATCHERS}
+    try:
+        for block in range(1 + COST_BLOCKS):  # block 0 warms every path up, untimed
+            for i, (call, count) in enumerate(calls):
+                for watcher in WATCHERS:
+                    dist.all_reduce = sources[watcher]  # what labs' DDP calls, this block
+                    unchecked(torch.zeros(1), group=plain)  # the ranks start the block together
+                    start = time.perf_counter()
+                    for _ in range(count):
+                        call(watcher)
+                    if block:
+                        blocks[watcher][i].append((time.perf_counter() - start) / count)
+    finally:
+        dist.all_reduce = checked
+    return blocks
 
 
 @dataclass(frozen=True)
 class CostRow:
-    """One thing timed, under each watcher: median seconds, the slowest rank's."""
+    """One thing timed, under each watcher: the slower rank's seconds per call in each block
+    (:func:`checking_cost`)."""
 
     what: str
-    seconds: dict[str, float]
+    blocks: dict[str, tuple[float, ...]]
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Per watcher, the fastest block's seconds per call: the least disturbed (a slow
+        moment of the machine can only add time)."""
+        return {w: min(b) for w, b in self.blocks.items()}
+
+    def spread(self, watcher: str) -> float:
+        """How much slower than the fastest the median block was (seconds per call): what
+        the machine's moments add, against which a watcher's cost is read."""
+        return statistics.median(self.blocks[watcher]) - min(self.blocks[watcher])
+
+    def adds(self, watcher: str) -> float:
+        """What ``watcher`` adds to the unchecked call, fastest block against fastest."""
+        return self.seconds[watcher] - self.seconds["none"]
 
 
-def checking_cost(world_size: int = 2, repeats: int = 60, rounds: int = 3,
-                  settings: StepSettings = StepSettings(steps=20)) -> list[CostRow]:
+def checking_cost(world_size: int = 2, repeats: int = 20,
+                  settings: StepSettings = StepSettings(steps=10)) -> list[CostRow]:
     """What each watcher adds to an all-reduce and to chapter 5's DDP step (gloo): one launch
-    per watcher per round, the watchers taking turns (none, DETAIL, labs' check) so that a
-    slow moment of the machine falls on each alike; each figure is the median over the
-    rounds of the slower rank's median."""
-    if world_size < 2 or repeats < 1 or rounds < 1:
-        raise ValueError("world_size must be >= 2, repeats and rounds >= 1.")
-    runs: dict[str, list[list[float]]] = {w: [] for w in WATCHERS}
-    for _ in range(rounds):
-        for watcher in WATCHERS:
-            per_rank = launch(cost_worker, world_size, args=(watcher, repeats, settings),
-                              backend="gloo", device="cpu", echo=False, timeout=300,
-                              check_collectives=watcher == "labs")
-            runs[watcher].append([max(column) for column in zip(*per_rank, strict=True)])
+    in which the three take turns (:func:`cost_worker`); each figure is the slower rank's."""
+    if world_size < 2 or repeats < 1:
+        raise ValueError("world_size must be >= 2 and repeats >= 1.")
+    per_rank = launch(cost_worker, world_size, args=(repeats, settings), backend="gloo",
+                      device="cpu", echo=False, timeout=300, check_collectives=True)
     names = [f"all_reduce of {n >> 10} KiB" for n in COST_SIZES] + [
         f"chapter 5's DDP step (MLP {settings.layers} x {settings.width})"]
-    return [CostRow(name, {w: statistics.median(r[i] for r in runs[w]) for w in WATCHERS})
+    return [CostRow(name, {w: tuple(max(r[w][i][b] for r in per_rank)
+                                    for b in range(COST_BLOCKS)) for w in WATCHERS})
             for i, name in enumerate(names)]
 
 
 def cost_table(rows: Sequence[CostRow]) -> str:
-    """Each thing timed: unchecked, under DETAIL, under check_collectives (µs), and the
-    differences."""
-    def us(seconds: float) -> str:
-        return f"{seconds * 1e6:.0f}"
+    """Each thing timed: unchecked, under DETAIL, under check_collectives, the fastest block
+    and the median block (µs per call), and what each watcher adds (fastest against
+    fastest)."""
+    def us(row: CostRow, watcher: str) -> str:
+        return (f"{row.seconds[watcher] * 1e6:.0f} / "
+                f"{statistics.median(row.blocks[watcher]) * 1e6:.0f}")
 
     return format_table(
-        ["", "unchecked (µs)", "DETAIL", "check_collectives", "DETAIL adds",
-         "check_collectives adds"],
-        [[r.what, us(r.seconds["none"]), us(r.seconds["detail"]), us(r.seconds["labs"]),
-          f"{(r.seconds['detail'] - r.seconds['none']) * 1e6:+.0f}",
-          f"{(r.seconds['labs'] - r.seconds['none']) * 1e6:+.0f}"] for r in rows])
+        ["µs per call (fastest / median block)", "unchecked", "DETAIL", "check_collectives",
+         "DETAIL adds", "check_collectives adds"],
+        [[r.what, us(r, "none"), us(r, "detail"), us(r, "labs"),
+          f"{r.adds('detail') * 1e6:+.0f}", f"{r.adds('labs') * 1e6:+.0f}"] for r in rows])
+
+
+def cost_verdicts(rows: Sequence[CostRow]) -> list[str]:
+    """For each thing timed and each watcher, in words: what it adds, and whether that is
+    more than the unchecked blocks' own spread (below it, the run cannot tell the cost from
+    the machine's moments)."""
+    names = {"detail": "DETAIL", "labs": "check_collectives"}
+    return [f"{r.what}: {names[w]} adds {r.adds(w) * 1e6:+.0f} µs, "
+            f"{'more' if r.adds(w) > r.spread('none') else 'not more'} than the unchecked "
+            f"blocks' spread ({r.spread('none') * 1e6:.0f} µs)"
+            for r in rows for w in ("detail", "labs")]
