@@ -109,6 +109,9 @@ def test_a_run_saved_on_four_ranks_resumes_on_two_with_twice_the_accumulation(tm
     second = launch(recipe_worker, 2, args=(resumed,), echo=False, timeout=120)[0]
     assert second.start_step == 2 and len(second.losses) == 2
     assert second.losses[-1] < first.losses[0]  # it goes on learning from where it stopped
+    # the same directory, resumed as another model: refused, naming what differs
+    with pytest.raises(ValueError, match=r"holds another model: d_model=32 \(now 64\)"):
+        dataclasses.replace(resumed, d_model=64, n_heads=2).check(2)
 
 
 def test_a_crashed_run_resumed_from_its_checkpoint_has_every_loss_of_one_that_never_failed(
