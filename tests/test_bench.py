@@ -230,6 +230,7 @@ def test_cli_skips_nccl_without_cuda(no_launch, capsys):
     assert "skipping nccl" in err and "--backends gloo" in err
 
 
+@pytest.mark.slow  # make test's budget (7 s)
 def test_cli_tiny_sweep_writes_csv_json_and_png(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep.csv"
     bench.main(["collectives", "--sizes", "1K", "4K", "--world-sizes", "2", "--iters", "2",

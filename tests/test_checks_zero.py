@@ -426,6 +426,7 @@ def test_wrong_reduce_scatter_grad_fails_with_a_reason(answer, reasons, assert_f
     assert_fails(check_reduce_scatter_grad(answer, world_sizes=(2,)), "6.3", *reasons)
 
 
+@pytest.mark.slow  # make test's budget (5 s): the hang verdict stays in test_check_contract
 def test_a_rank_that_skips_the_collective_fails_as_hung():
     # Beyond the contract's hang (a rank waiting in the learner's own line): rank 0 waits in
     # labs' ring, called from the learner's code, and the verdict names the learner's frame.

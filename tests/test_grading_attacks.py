@@ -113,6 +113,7 @@ _submission.export = _export
 '''
 
 
+@pytest.mark.slow  # make test's budget (12 s)
 def test_nothing_stage_one_leaves_reaches_the_judge(sandbox, tmp_path,
                                                      no_leftover_processes) -> None:
     """A planted conftest.py and pytest.py, links where the grader writes its files, and a fake

@@ -368,10 +368,11 @@ REFUSED = {
 }
 
 
-# make test: the escape; an imported answer key is refused inside every check in make test
-# (tests/test_answer_keys.py), and through the grader here in make test-slow
+# All in make test-slow (budget): make test shows the sandbox reaching only itself directly
+# (test_the_sandbox_reads_the_environment_writes_its_scratch_and_reaches_only_itself), and an
+# imported answer key refused inside every check (tests/test_answer_keys.py)
 @pytest.mark.parametrize("kind", [
-    "escape",
+    pytest.param("escape", marks=pytest.mark.slow),
     pytest.param("import", marks=pytest.mark.slow),
     pytest.param("importlib", marks=pytest.mark.slow),
     pytest.param("reference", marks=pytest.mark.slow),

@@ -274,6 +274,7 @@ def _parts(panel):
     return controls, stack, live_row.children[:-1], live_row.children[-1]
 
 
+@pytest.mark.slow  # make test's budget (10 s): the zero panel's click runs its setting too
 def test_collective_panel_records_its_grid_and_a_click_runs_the_chosen_setting(monkeypatch,
                                                                               capsys):
     shown = _recorded(monkeypatch)
