@@ -15,7 +15,8 @@ until the queue fills. Two ways to read the time of the work itself:
   when it reaches that point of its queue; the moment is read later (:func:`seconds`, after
   the step), as the clock's origin (a host time taken with the queue empty) plus the GPU's
   elapsed time from the origin's event. On the CPU a stamp is ``time.perf_counter()`` at
-  once. The DDP wrappers' timelines (:class:`labs.ddp.StepTimeline`) are stamped this way.
+  once. The DDP wrappers' timelines (:class:`labs.ddp.StepTimeline`) and FSDP's
+  (:class:`labs.fsdp_timeline.FSDPTimeline`) are stamped this way.
 """
 
 from __future__ import annotations

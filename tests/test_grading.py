@@ -467,6 +467,7 @@ def test_an_answer_fitted_to_the_documented_cases_fails_the_hidden_ones(tmp_path
     assert f"seed {SEED}" in reason and "world size" in reason, reason
 
 
+@pytest.mark.slow  # make test's budget (13 s)
 def test_edited_outputs_showing_pass_do_not_pass(tmp_path, no_leftovers):
     chapter = CHAPTERS["01_toy_allreduce.ipynb"]
     nb = learner_copy(chapter, reference_answers=False)  # stubs ...

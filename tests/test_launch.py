@@ -714,6 +714,7 @@ def test_the_forkserver_start_does_not_count_against_the_timeout():
     assert results.seconds > timeout  # the cold start itself took longer than the timeout
 
 
+@pytest.mark.slow  # make test's budget (7 s)
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     """Each rank imports the main script first: a module-level launch() would launch again
     from inside every rank. The ranks say why they stopped, and the parent says what to do."""
