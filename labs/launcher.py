@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,13 @@ __all__ = [
 _FAILURE_GRACE_S = 0.3
 #: How long a rank gets to exit after SIGTERM before SIGKILL.
 _KILL_GRACE_S = 1.0
+#: How long the ranks of a launch have to start and meet (fork, unpickle their function,
+#: import what it needs, meet in the store), counted from when they exist. Their ``timeout``
+#: starts once every one has joined the group: on a machine busy with other work, starting
+#: can take seconds that are no fault of the worker's.
+STARTUP_TIMEOUT_S = 120.0
+#: What a rank sends first, once it has joined its process group (a report is never empty).
+_JOINED = b""
 #: Modules the forkserver imports once, so that forked ranks start with torch loaded.
 #: torch._dynamo: building the first torch.optim optimizer imports it (torch.optim wraps its
 #: methods with dynamo's "disable"), about 1.3 s per rank per launch on 2 cores; preloaded, a
@@ -203,8 +211,9 @@ def launch(
             ``results.placement.describe()`` says what was chosen.
         host_staging: stage every message through host memory even for CPU tensors: the
             one-GPU mode's path, run where there is no GPU (the parity tests use it).
-        timeout: seconds the ranks may run, counted once all of them have started; then
-            those still running are killed and LaunchTimeout is raised.
+        timeout: seconds the ranks may run, counted once all of them have joined the process
+            group (they have :data:`STARTUP_TIMEOUT_S` to start and join); then those still
+            running are killed and LaunchTimeout is raised.
         echo: print what each rank printed, prefixed ``[rank k]``, after the ranks finish.
         threads: each rank's intra-op threads (``torch.set_num_threads``, OMP_NUM_THREADS).
             Default: the machine's cores divided by ``world_size``, at least 1, so that N ranks
@@ -283,9 +292,10 @@ def launch(
         try:
             for spec, payload in zip(specs, payloads, strict=True):
                 ranks.append(_Rank.start(ctx, payload, spec))
-            # The clock starts once every rank exists: the first launch also starts the
-            # forkserver, which imports torch (seconds on a GPU box), and that is no rank's fault.
-            outcome = _supervise(ranks, deadline=time.monotonic() + timeout,
+            # The clock starts once every rank has joined its group (_supervise): the first
+            # launch also starts the forkserver, which imports torch (seconds on a GPU box),
+            # and a busy machine starts ranks late, and neither is the worker's fault.
+            outcome = _supervise(ranks, deadline=time.monotonic() + STARTUP_TIMEOUT_S,
                                  grace=failure_grace, result_types=result_types,
                                  count_writes=count_writes)
         finally:  # also on KeyboardInterrupt (the notebook's stop button)
@@ -359,6 +369,7 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
         fn, args = unpack_call(payload)
         emulated.use(spec.link, spec.rank)
         _join_group(spec)
+        conn.send_bytes(_JOINED)  # the launcher's clock for this rank starts now
         if spec.check:
             collective_check.install(spec.rank, spec.check)
         value = fn(spec.rank, spec.world_size, *args)
@@ -373,7 +384,7 @@ def _rank_main(payload: bytes, spec: _RankSpec, conn: Connection) -> None:
         conn.send_bytes(message[1] if message[0] == "ok" else plain_results.encode(
             ("error", dataclasses.asdict(message[1]))))
     else:
-        conn.send(message)
+        conn.send_bytes(ForkingPickler.dumps(message))
     if message[0] == "ok":
         # Stay in the group until every rank has returned: a rank that left early would make
         # a peer still inside a collective fail, hiding the real problem (a hang).
@@ -394,6 +405,13 @@ def _join_group(spec: _RankSpec) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     enter(spec.placement, spec.rank, host_staging=spec.host_staging)
     store = dist.FileStore(spec.store_path, spec.world_size)
+    # Meet the other ranks first, with the start-up's own limit: gloo's rendezvous waits only
+    # the group's timeout, which a rank that starts late on a busy machine could outlast.
+    store.set_timeout(timedelta(seconds=STARTUP_TIMEOUT_S))
+    if store.add("labs/started", 1) == spec.world_size:
+        store.set("labs/all started", "1")
+    store.wait(["labs/all started"])
+    store.set_timeout(timedelta(seconds=spec.timeout_s))
     dist.init_process_group(
         spec.placement.backend.value, store=store, rank=spec.rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
@@ -461,11 +479,14 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float,
                result_types: Sequence[type] | None = None, count_writes: bool = False
                ) -> Done | Failed | TimedOut:
     """Wait for every rank's report; stop ``grace`` seconds after the first failure (or
-    once every rank has reported), or at the deadline. With ``count_writes``, read what each
-    rank wrote once all have reported and before any is released (:func:`_written`)."""
+    once every rank has reported), or at the deadline: ``deadline`` (a start-up deadline)
+    until every rank has said it joined its group, then that moment plus the launch's
+    timeout, each rank's ``spec.timeout_s``. With ``count_writes``, read what each rank wrote
+    once all have reported and before any is released (:func:`_written`)."""
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
     pending = {r.spec.rank: r for r in ranks}
+    joined: set[int] = set()
     give_up_at = deadline
     while pending and time.monotonic() < give_up_at:
         waitables: list[Any] = [r.conn for r in pending.values()]
@@ -474,6 +495,11 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float,
         for rank, r in list(pending.items()):
             if r.conn in ready or (r.process.sentinel in ready and r.conn.poll()):
                 kind, body = _receive(r, result_types)
+                if kind == "joined":
+                    joined.add(rank)
+                    if len(joined) == len(ranks) and not failures:
+                        give_up_at = deadline = time.monotonic() + ranks[0].spec.timeout_s
+                    continue
                 if kind == "ok":
                     values[rank] = body
                 else:
@@ -511,14 +537,18 @@ def _written(r: _Rank) -> int:
 
 
 def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str, Any]:
-    """A rank's report: ("ok", its pickled result, or its result as plain data when
-    ``result_types`` is given) or ("error", a RankFailure)."""
+    """A rank's next message: ("joined", None) once it is in its group, then its report:
+    ("ok", its pickled result, or its result as plain data when ``result_types`` is given)
+    or ("error", a RankFailure)."""
     try:
-        if result_types is None:
-            return r.conn.recv()
-        data = r.conn.recv_bytes(plain_results.MAX_BYTES)
+        data = r.conn.recv_bytes(plain_results.MAX_BYTES if result_types is not None
+                                 else None)
     except (EOFError, OSError):
         return "error", _died(r)
+    if data == _JOINED:
+        return "joined", None
+    if result_types is None:
+        return ForkingPickler.loads(data)
     r.report_bytes = len(data) + 4
     try:
         kind, body = plain_results.decode(data, result_types)

@@ -119,6 +119,17 @@ def unpack_call(payload: bytes) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return cloudpickle.loads(payload)
 
 
+def unpack_function(payload: bytes) -> Callable[..., Any]:
+    """The function of a :func:`pack_call` payload that carries no arguments (a function
+    packed to travel on its own: how the grader holds a learner's, unopened until a rank
+    unpickles it). TypeError for anything else."""
+    unpacked = unpack_call(payload)
+    if not (isinstance(unpacked, tuple) and len(unpacked) == 2 and callable(unpacked[0])
+            and unpacked[1] == ()):
+        raise TypeError("not a function packed on its own by labs.rank_pickle.pack_call")
+    return unpacked[0]
+
+
 def pack_result(value: Any) -> bytes:
     """A rank's return value as bytes for the notebook, its tensors moved to the CPU.
 

@@ -27,25 +27,13 @@ import os
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from labs.grading import grader, submission
 from labs.grading.grader import MAX_OUTPUT_BYTES, GradeSettings, grade
-from labs.grading.handout import load_chapters, release_notebook
 from labs.grading.isolation import isolation_problem
 
-REFERENCE = Path(__file__).resolve().parents[1] / "notebooks"
-TOY = "01_toy_allreduce.ipynb"
-CHAPTER = next(c for c in load_chapters(REFERENCE) if c.name == TOY)
-SOLUTION = CHAPTER.exercise("1.1").solutions[0]
-RIGHT = CHAPTER.nb.cells[SOLUTION].source + "\n"
-WRONG = """
-def average_gradients(model):
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)  # sums; never divides
-"""
+from grading_learners import RIGHT, WRONG, learner, only
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +41,6 @@ def sandbox() -> None:
     problem = isolation_problem()
     if problem:
         pytest.skip(f"no sandbox on this machine: {problem}")
-
-
-def learner(directory: Path, *cells: str, name: str = TOY) -> Path:
-    """A learner's copy of chapter 1 whose exercise 1.1 is ``cells`` (the first one in the
-    solution cell, the others untagged cells right after it)."""
-    nb = release_notebook(CHAPTER)
-    nb.cells[SOLUTION].source = cells[0]
-    for offset, source in enumerate(cells[1:], start=1):
-        nb.cells.insert(SOLUTION + offset, nbformat.v4.new_code_cell(source))
-    path = directory / name
-    nbformat.write(nb, path)
-    return path
-
-
-def only(report: grader.Report) -> grader.ExerciseGrade:
-    (graded,) = report.notebooks[0].exercises
-    return graded
 
 
 # --- the judge trusts nothing stage 1 left ------------------------------------------------------

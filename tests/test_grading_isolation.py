@@ -37,7 +37,7 @@ import pytest
 
 from labs.grading import grader, isolation
 from labs.grading.__main__ import EXIT_USAGE, main
-from labs.grading.grader import NO_ISOLATION_NOTE, GradeSettings, grade
+from labs.grading.grader import GradeSettings, grade
 from labs.grading.handout import load_chapters, release_notebook
 from labs.grading.isolation import (
     DEVICES,
@@ -48,6 +48,7 @@ from labs.grading.isolation import (
     isolation_problem,
 )
 from labs.grading.notebook import GradingError
+from labs.grading.report import NO_ISOLATION_NOTE, Report
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "notebooks"
@@ -119,10 +120,10 @@ def test_grade_refuses_without_a_sandbox_before_anything_runs(monkeypatch, tmp_p
 
 
 def test_the_report_says_when_grading_ran_without_isolation() -> None:
-    report = grader.Report(seed=None, isolation=Isolation.NONE)
+    report = Report(seed=None, isolation=Isolation.NONE)
     assert report.table().endswith(NO_ISOLATION_NOTE)
     assert report.to_json()["isolation"] == "none"
-    assert NO_ISOLATION_NOTE not in grader.Report(seed=None).table()
+    assert NO_ISOLATION_NOTE not in Report(seed=None).table()
 
 
 _INSIDE = r"""

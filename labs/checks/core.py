@@ -362,20 +362,53 @@ def raised(named: RankFailure, hint: str = "") -> str:
 
 
 def explain_hang(n: int, err: LaunchTimeout, timeout: float) -> tuple[str | None, str]:
-    """Read a check's :class:`~labs.launcher.LaunchTimeout`: ``(verdict, where)``. ``verdict``
-    is the whole explanation when the ranks were still joining the group (a busy machine, not
-    the learner's bug), else None; ``where`` names the first learner frame a hung rank was
-    waiting at (" Rank r was waiting at ..." or "")."""
+    """Read a check's :class:`~labs.launcher.LaunchTimeout`: ``(verdict, where)``. ``where``
+    names the innermost frame of the learner's code a hung rank was waiting at (" Rank r was
+    waiting at ..."), and ``verdict`` is None: the check explains the hang. ``verdict`` is the
+    whole explanation when no rank was in the learner's code (:func:`is_learners_frame`):
+    the ranks were still joining the group, or were all in the library's code (a machine too
+    busy for the timeout), and the learner is not told that their code hung."""
     stacks = [err.stacks.get(r, "") for r in err.ranks]
     if any(stacks) and all("_join_group" in s for s in stacks if s):
         return (f"with {n} rank(s), the ranks were still starting after {timeout:g} s; the "
                 "machine may be busy: pass a larger timeout=."), ""
     for r in err.ranks:
         frames = [line.strip() for line in err.stacks.get(r, "").splitlines()
-                  if not any(part in line for part in ("/torch/", "/labs/", "<frozen "))]
+                  if is_learners_frame(line)]
         if frames:
             return None, f" Rank {r} was waiting at {_named_cells(frames[0])}."
-    return None, ""
+    top = next((s.strip().splitlines()[0] for s in stacks if s.strip()), "")
+    seen = f" (rank {err.ranks[0]} was at {_named_cells(top)})" if top else ""
+    return (f"with {n} rank(s), rank(s) {listed(err.ranks)} did not finish within {timeout:g} "
+            f"s, and none of them was running your code when stopped{seen}: the machine may "
+            "have been too busy for the check's time limit. Run the check again with a larger "
+            "timeout= (graded: the instructor's --check-timeout)."), ""
+
+
+def _installed() -> tuple[str, ...]:
+    """The folders of code that is not the learner's: the interpreter's library, the
+    environment's packages and ``labs`` itself."""
+    import sysconfig  # noqa: PLC0415
+
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix,
+             os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    paths |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
+
+
+def is_learners_frame(line: str) -> bool:
+    """Whether a stack line (``File "...", line N in f``, or a cell IPython named, ``Cell
+    In[5], line 3``) is in the learner's own code: a notebook cell, or a file outside the
+    Python installation, its packages and ``labs`` (a frame of ``lark``, say, is not)."""
+    if "Cell In[" in line:
+        return True
+    found = re.search(r'File "([^"]+)"', line)
+    if not found:
+        return False
+    path = found.group(1)
+    if path.startswith("<"):
+        return path == "<notebook cell>" or path.startswith("<ipython-input")
+    return not os.path.realpath(path).startswith(_installed())
 
 
 # --- case inputs, and the words of a verdict -------------------------------------------------

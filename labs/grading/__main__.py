@@ -1,10 +1,12 @@
 """``python -m labs.grading``: release learners' copies, grade their notebooks.
 
     python -m labs.grading release OUT_DIR
-    python -m labs.grading grade STUDENT.ipynb [...] [--json [report.json]] [--seed N]
+    python -m labs.grading grade STUDENT.ipynb|FOLDER [...] [--json [report.json]] [--seed N]
 
-``grade`` exits 0 when every exercise passed, 1 when any failed, 2 on bad input (nothing is
-run then).
+``grade`` takes notebooks and folders of them (every ``*.ipynb`` inside, links not
+followed). It exits 0 when every exercise passed, 1 when any failed (a hand-in that cannot be
+graded, a link or a file of no chapter, fails too, and the batch goes on), 2 on bad input
+(a path that does not exist, a bad flag: nothing is run then).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     rel.add_argument("out_dir", type=Path, metavar="OUT_DIR")
     rel.add_argument("--force", action="store_true", help="overwrite notebooks in OUT_DIR")
     gr = sub.add_parser("grade", help="grade learners' notebooks")
-    gr.add_argument("notebooks", nargs="+", type=Path, metavar="STUDENT.ipynb")
+    gr.add_argument("notebooks", nargs="+", type=Path, metavar="NOTEBOOK_OR_FOLDER")
     gr.add_argument("--json", type=Path, metavar="PATH", nargs="?", const=Path("-"),
                     help="also write the report as JSON to PATH; with no PATH (or -), print "
                          "it to stdout instead of the table")
@@ -40,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     gr.add_argument("--no-hidden", action="store_true", help="run the visible cases only")
     gr.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help="seconds each stage of an exercise may take (default %(default)s)")
+    gr.add_argument("--check-timeout", type=float, metavar="S",
+                    help="seconds a check's ranks may run once they have all started (default: "
+                         "each check's own, 10 s); raise it on a machine busy with other work "
+                         "(the report records it)")
     gr.add_argument("--no-isolation", action="store_true",
                     help="run the learners' code with your rights, not in a sandbox (only "
                          "where no sandbox can be made; the report says so)")
@@ -60,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"wrote {item.path} (stubbed: {stubbed})")
             return 0
         settings = GradeSettings(reference_dir=args.reference, seed=args.seed,
-                                 timeout=args.timeout, hidden=not args.no_hidden,
+                                 timeout=args.timeout, check_timeout=args.check_timeout,
+                                 hidden=not args.no_hidden,
                                  keep=args.keep,
                                  isolation=Isolation.NONE if args.no_isolation
                                  else Isolation.SANDBOX)
@@ -68,13 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GradingError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    as_json = json.dumps(report.to_json(), indent=2)
+    as_json = json.dumps(report.to_json(), indent=2)  # ASCII: every other character escaped
+    # A terminal that cannot show a character gets its code, never an error for the batch.
+    sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     if args.json is not None and str(args.json) == "-":
         print(as_json)
     else:
         print(report.table())
         if args.json is not None:
-            args.json.write_text(as_json + "\n")
+            args.json.write_text(as_json + "\n", encoding="ascii")
     return 0 if report.passed else EXIT_FAILED
 
 

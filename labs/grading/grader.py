@@ -3,8 +3,10 @@
 For every exercise of a learner's notebook, in two stages, each in its own kernel, its own
 folder and its own sandbox, and each within one deadline (``GradeSettings.timeout``):
 
-1. **Collect.** A fresh kernel runs the reference's ``setup`` cells, the reference solutions of
-   the exercises before this one, then the learner's cells for this exercise (see
+1. **Collect.** A fresh kernel runs the reference's ``setup`` cells, the learner's cells of the
+   earlier exercises this one builds on (4.2's all-reduce calls the learner's own 4.1
+   all-gather: :meth:`labs.grading.notebook.Chapter.builds_on`; no reference solution ever
+   runs where a learner's code runs), then the learner's cells for this exercise (see
    :func:`labs.grading.notebook.learner_cells`), and pickles the functions the checks take,
    in the stage folder ``collect/``, the only folder of the machine it may write. The
    learner's stored outputs are never read, and the grader keeps at most
@@ -16,16 +18,21 @@ folder and its own sandbox, and each within one deadline (``GradeSettings.timeou
    unpickled there: :class:`labs.grading.submission.Sealed`), and runs the reference's check
    cells, once as written and once with ``seed=`` (hidden cases drawn at grading time), under
    ``pytest --nbval-lax`` against the outputs stored in the reference. The checks run the
-   learner's functions in their ranks, whose results come back as plain data
-   (:mod:`labs.plain_results`). A sanitizer reduces both sides to the verdict
-   (``PASS: Exercise 2.1``), because the hidden run's message names its cases.
+   learner's functions in their ranks, in a sandbox of their own that cannot reach the
+   judge's files, network or kernel (:func:`labs.grading.guard.ranks_apart`), and their
+   results come back as plain data (:mod:`labs.plain_results`). A check cell prints only the
+   verdict the check returned (:func:`labs.grading.submission.judged`), never a word of the
+   learner's, and a sanitizer reduces the reference's output to its verdict (``PASS:
+   Exercise 2.1``), because the hidden run's message names its cases. The grade is the
+   verdicts the judge's kernel wrote, which nbval must agree with.
 
 So printing a fake verdict, editing stored outputs, redefining or monkeypatching the checker
 or ``launch`` in a cell, replacing the export, or planting files in the first stage's folder
-changes nothing the judge sees. Each exercise is graded on its own: the other exercises' code
-comes from the reference, so one broken exercise fails only itself, and anything that goes
-wrong inside one exercise is that exercise's FAIL, never the end of the batch. Processes
-started by a stage are killed when it ends (:mod:`labs.grading.sandbox`).
+changes nothing the judge sees. Anything that goes wrong inside one exercise is that
+exercise's FAIL, and anything wrong with one hand-in (:mod:`labs.grading.handins`) that
+notebook's, never the end of the batch. Processes started by a stage are killed when it ends
+(:mod:`labs.grading.sandbox`), and so are stages that write more than
+:data:`labs.grading.sandbox.MAX_STAGE_BYTES` into their folder.
 
 Both stages' kernels (and the ranks they start) run in a sandbox
 (:mod:`labs.grading.isolation`): no privilege, the Python environment read-only, only their
@@ -37,7 +44,6 @@ start where no sandbox can be made, unless the instructor asks for
 
 from __future__ import annotations
 
-import enum
 import json
 import random
 import re
@@ -47,7 +53,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ipykernel.kernelspec
@@ -59,10 +65,27 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from tqdm.auto import tqdm
 
 from labs.grading import submission
+from labs.grading.handins import HandIn, hand_ins
 from labs.grading.handout import METADATA_KEY, load_chapters
 from labs.grading.isolation import Isolation, Limits, isolated, isolation_problem
 from labs.grading.notebook import Chapter, ExerciseCells, GradingError, learner_cells
-from labs.grading.sandbox import MAX_OUTPUT_BYTES, Deadline, ProcessSweep, run_capped
+from labs.grading.report import (
+    HIDDEN_FAILED,
+    ExerciseGrade,
+    NotebookGrade,
+    Report,
+    Result,
+    first_line,
+    shown,
+)
+from labs.grading.sandbox import (
+    MAX_OUTPUT_BYTES,
+    MAX_STAGE_BYTES,
+    Deadline,
+    DiskWatch,
+    ProcessSweep,
+    run_capped,
+)
 from labs.grading.submission import UnsafeFile, keep_files, read_left
 
 #: The course's reference notebooks (this checkout's notebooks/).
@@ -72,10 +95,6 @@ DEFAULT_TIMEOUT_S = 300.0
 #: Both the reference output and the judged output are cut down to this before nbval compares.
 VERDICT_REGEX = r"(?s)^(PASS|FAIL): (Exercise \d+\.\d+)\b.*"
 VERDICT_REPLACE = r"\1: \2"
-_REASON_WIDTH = 110
-#: Ends the report of a grading run without a sandbox.
-NO_ISOLATION_NOTE = ("graded WITHOUT isolation (--no-isolation): the learners' code ran with "
-                     "the grader's rights, beside the reference notebooks")
 #: The hidden cases' seed is drawn from 1 .. HIDDEN_SEEDS - 1.
 HIDDEN_SEEDS = 10**12
 _ANSI = re.compile(r"(\x1b|#x1B)\[[0-9;]*m")  # junit XML writes ESC as "#x1B"
@@ -89,15 +108,6 @@ LIMITS = Limits()
 COLLECT, JUDGE = "collect", "judge"
 
 
-class Result(enum.Enum):
-    """The grade of one exercise."""
-
-    PASS = "PASS"
-    """Every check cell printed the reference's verdict, visible and hidden cases."""
-    FAIL = "FAIL"
-    """Anything else: a wrong answer, an error, a hang, a missing function."""
-
-
 @dataclass(frozen=True)
 class GradeSettings:
     """What ``python -m labs.grading grade`` parses its flags into."""
@@ -106,6 +116,12 @@ class GradeSettings:
     seed: int | None = None
     """Seed of the hidden cases; None draws one (reported, so a failure can be rerun)."""
     timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds each stage of an exercise may take (its kernel, its checks, their ranks)."""
+    check_timeout: float | None = None
+    """Seconds a check's ranks may run once every one of them has joined its group, passed
+    to every check as ``timeout=``; None keeps each check's own (10 s). On a machine busy with
+    other work a larger value keeps a right answer from being read as a hang; the report
+    records it."""
     hidden: bool = True
     """Also run every check with ``seed=`` (hidden cases)."""
     keep: Path | None = None
@@ -115,135 +131,43 @@ class GradeSettings:
     ``Isolation.NONE``, with the grader's own rights."""
 
     def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise GradingError(f"timeout must be a positive number of seconds, got "
-                               f"{self.timeout!r}.")
+        for name in ("timeout", "check_timeout"):
+            value = getattr(self, name)
+            if value is None and name == "check_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 < value < float("inf")):
+                raise GradingError(f"{name} must be a positive number of seconds, got "
+                                   f"{value!r}.")
         if self.seed is not None and (isinstance(self.seed, bool) or self.seed <= 0):
             raise GradingError(f"seed must be a positive int (0 means no hidden cases: use "
                                f"--no-hidden), got {self.seed!r}.")
 
 
-@dataclass(frozen=True)
-class ExerciseGrade:
-    exercise: str
-    title: str
-    result: Result
-    reason: str
-    """One line for the table."""
-    details: str = ""
-    """The full story: every check's verdict, or the error and its traceback."""
-    seconds: float = 0.0
-    checks: tuple[dict[str, object], ...] = ()
-
-    @property
-    def passed(self) -> bool:
-        return self.result is Result.PASS
-
-
-@dataclass(frozen=True)
-class NotebookGrade:
-    path: Path
-    chapter: str
-    exercises: tuple[ExerciseGrade, ...]
-
-    @property
-    def score(self) -> int:
-        return sum(e.passed for e in self.exercises)
-
-
-@dataclass(frozen=True)
-class Report:
-    seed: int | None
-    notebooks: tuple[NotebookGrade, ...] = field(default=())
-    isolation: Isolation = Isolation.SANDBOX
-
-    @property
-    def score(self) -> int:
-        return sum(n.score for n in self.notebooks)
-
-    @property
-    def total(self) -> int:
-        return sum(len(n.exercises) for n in self.notebooks)
-
-    @property
-    def passed(self) -> bool:
-        return self.score == self.total
-
-    def table(self) -> str:
-        rows = [(str(n.path), e.exercise, e.result.value, _clip(e.reason))
-                for n in self.notebooks for e in n.exercises]
-        lines = _columns(("notebook", "exercise", "result", "reason"), rows)
-        if len(self.notebooks) > 1:
-            lines += ["", *_columns(("notebook", "score"),
-                                    [(str(n.path), f"{n.score}/{len(n.exercises)}")
-                                     for n in self.notebooks])]
-        seed = (f"hidden cases drawn with seed {self.seed}; rerun them with --seed "
-                f"{self.seed}" if self.seed else "no hidden cases")
-        lines += ["", f"total: {self.score}/{self.total} exercises passed ({seed})"]
-        if self.isolation is Isolation.NONE:
-            lines.append(NO_ISOLATION_NOTE)
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "seed": self.seed, "passed": self.score, "total": self.total,
-            "isolation": self.isolation.value,
-            "notebooks": [{
-                "path": str(n.path), "chapter": n.chapter, "passed": n.score,
-                "total": len(n.exercises),
-                "exercises": [{
-                    "exercise": e.exercise, "title": e.title, "result": e.result.value,
-                    "reason": e.reason, "details": e.details, "seconds": round(e.seconds, 2),
-                    "checks": list(e.checks),
-                } for e in n.exercises],
-            } for n in self.notebooks],
-        }
-
-
-def _clip(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= _REASON_WIDTH else line[:_REASON_WIDTH - 3] + "..."
-
-
-def _columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)),
-            *(fmt.format(*r).rstrip() for r in rows)]
-
-
 # --- which reference does a learner's notebook belong to --------------------------------------
 
 
-def match_chapter(path: Path, chapters: Sequence[Chapter]) -> Chapter:
+def match_chapter(hand_in: HandIn, chapters: Sequence[Chapter]) -> Chapter | str:
     """The reference chapter of a learner's notebook: named in the metadata a release stamps,
-    else by file name. Raises GradingError (before anything runs) when neither tells."""
+    else by file name; else why it cannot be graded (that notebook's failure)."""
+    if hand_in.problem or hand_in.notebook is None:
+        return hand_in.problem or "the notebook cannot be read"
     by_name = {c.name: c for c in chapters}
-    if not path.is_file():
-        raise GradingError(f"{path}: no such file.")
-    if path.suffix != ".ipynb":
-        raise GradingError(f"{path}: not a notebook (expected a .ipynb file).")
-    try:
-        stamped = json.loads(path.read_text()).get("metadata", {}).get(METADATA_KEY, {})
-        name = stamped.get("chapter") if isinstance(stamped, dict) else None
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        name = None  # unreadable: graded as a broken notebook if its file name tells
-    if name in by_name:
-        return by_name[name]
-    if path.name in by_name:
-        return by_name[path.name]
-    raise GradingError(
-        f"{path}: cannot tell which chapter it is: its metadata names none and its file name "
-        f"is none of {', '.join(by_name)}. Rename it to its chapter's file name.")
+    stamped = hand_in.notebook.metadata.get(METADATA_KEY, {}).get("chapter")
+    if isinstance(stamped, str) and stamped in by_name:
+        return by_name[stamped]
+    if hand_in.path.name in by_name:
+        return by_name[hand_in.path.name]
+    return ("cannot tell which chapter it is: its metadata names none and its file name is "
+            f"none of {', '.join(by_name)}. Rename it to its chapter's file name.")
 
 
 def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = False) -> Report:
-    """Grade learners' notebooks against the reference notebooks; see the module docstring."""
-    if not paths:
-        raise GradingError("give at least one learner notebook to grade.")
+    """Grade learners' notebooks (files, or folders of them) against the reference
+    notebooks; see the module docstring."""
     chapters = load_chapters(settings.reference_dir)
-    plan = [(Path(p), match_chapter(Path(p), chapters)) for p in paths]  # before any process
+    plan = [(h, match_chapter(h, chapters))  # before any process
+            for h in hand_ins(paths, settings.reference_dir)]
     if settings.isolation is Isolation.SANDBOX:
         problem = isolation_problem()
         if problem:
@@ -257,80 +181,80 @@ def grade(paths: Sequence[Path], settings: GradeSettings, *, progress: bool = Fa
     seed = None if not settings.hidden else settings.seed or random.SystemRandom().randrange(
         1, HIDDEN_SEEDS)
     root = Path(tempfile.mkdtemp(prefix="labs-grading-"))
-    total = sum(len(c.exercises) for _, c in plan)
+    total = sum(len(c.exercises) for _, c in plan if isinstance(c, Chapter))
     graded = []
     try:
         with tqdm(total=total, disable=not progress, unit="exercise", file=sys.stderr) as bar:
-            for index, (path, chapter) in enumerate(plan):
+            for index, (hand_in, chapter) in enumerate(plan):
+                if not isinstance(chapter, Chapter):
+                    graded.append(NotebookGrade(hand_in.path, "", (), problem=shown(chapter)))
+                    continue
                 grades = []
-                learner = _read_learner(path)
                 for ex in chapter.exercises:
-                    bar.set_postfix_str(f"{path.name} {ex.exercise}")
+                    bar.set_postfix_str(f"{index + 1}/{len(plan)} {ex.exercise}")
                     work = root / f"{index:03d}" / ex.exercise
-                    grades.append(_grade_safely(chapter, learner, ex, seed, settings, work))
+                    grades.append(_grade_safely(chapter, hand_in, ex, seed, settings, work))
                     bar.update()
-                graded.append(NotebookGrade(path, chapter.name, tuple(grades)))
+                graded.append(NotebookGrade(hand_in.path, chapter.name, tuple(grades)))
     finally:
         try:
             if settings.keep is not None:
                 keep_files(root, settings.keep)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    return Report(seed, tuple(graded), settings.isolation)
+    return Report(seed, tuple(graded), settings.isolation, settings.check_timeout)
 
 
-def _grade_safely(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: ExerciseCells,
-                  seed: int | None, settings: GradeSettings, work: Path) -> ExerciseGrade:
+def _grade_safely(chapter: Chapter, hand_in: HandIn, ex: ExerciseCells, seed: int | None,
+                  settings: GradeSettings, work: Path) -> ExerciseGrade:
     """:func:`grade_exercise`, with anything that goes wrong in it (whatever the learner's
     notebook did to its stage's folder) that exercise's FAIL, so that the batch goes on."""
     start = time.perf_counter()
     try:
         work.mkdir(parents=True)
-        return grade_exercise(chapter, learner, ex, seed, settings.timeout, work,
-                              settings.isolation)
+        return grade_exercise(chapter, hand_in, ex, seed, settings, work)
     except Exception as err:  # noqa: BLE001 - one learner's notebook never stops the batch
-        reason = f"the grader could not grade this exercise ({type(err).__name__}: {err})"
+        reason = shown(f"the grader could not grade this exercise ({type(err).__name__}: {err})")
         return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, reason, reason,
                              time.perf_counter() - start)
 
 
-def _read_learner(path: Path) -> nbformat.NotebookNode | str:
-    """The learner's notebook, or why it cannot be read (then every exercise fails)."""
-    try:
-        return nbformat.read(path, as_version=4)
-    except Exception as err:  # noqa: BLE001 - a damaged file fails the notebook, not the run
-        return f"the notebook cannot be read ({type(err).__name__}: {err})"
-
-
-def grade_exercise(chapter: Chapter, learner: nbformat.NotebookNode | str, ex: ExerciseCells,
-                   seed: int | None, timeout: float, work: Path,
-                   isolation: Isolation = Isolation.SANDBOX) -> ExerciseGrade:
+def grade_exercise(chapter: Chapter, hand_in: HandIn, ex: ExerciseCells, seed: int | None,
+                   settings: GradeSettings, work: Path) -> ExerciseGrade:
     """Collect the learner's functions for one exercise, then judge them."""
     start = time.perf_counter()
 
     def fail(reason: str, details: str = "", checks: tuple[dict[str, object], ...] = ()
              ) -> ExerciseGrade:
-        return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, reason, details or reason,
-                             time.perf_counter() - start, checks)
+        return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, shown(reason),
+                             shown(details or reason, lines=True), time.perf_counter() - start,
+                             checks)
 
-    if isinstance(learner, str):
-        return fail(learner)
-    cells = learner_cells(learner, ex.exercise)
+    assert hand_in.notebook is not None  # match_chapter gave a chapter
+    cells = learner_cells(hand_in.notebook, ex.exercise)
     if not cells:
         return fail(f"no cell of the notebook is tagged solution/exercise-{ex.exercise}: write "
                     "your code in the exercise's cell (keep its tags).")
-    with ProcessSweep() as sweep, Deadline(timeout, sweep) as deadline:
-        problem = _collect(chapter, ex, cells, timeout, work, isolation)
+    earlier = [c for dep in chapter.builds_on(ex)
+               for c in learner_cells(hand_in.notebook, dep.exercise)]
+    timeout = settings.timeout
+    with ProcessSweep() as sweep, Deadline(timeout, sweep) as deadline, \
+            DiskWatch(work, MAX_STAGE_BYTES, sweep) as disk:
+        problem = _collect(chapter, ex, earlier + cells, timeout, work, settings.isolation)
+    if disk.exceeded:
+        return fail(disk.words())
     if deadline.passed:
         return fail(_too_long(timeout))
     if problem:
         return fail(*problem)
-    with ProcessSweep():  # _judge's pytest has the stage's deadline
-        verdict = _judge(chapter, ex, seed, timeout, work, isolation)
+    with ProcessSweep() as sweep, DiskWatch(work, MAX_STAGE_BYTES, sweep) as disk:
+        verdict = _judge(chapter, ex, seed, settings, work)  # pytest has the stage's deadline
+    if disk.exceeded:
+        return fail(disk.words())
     passed, reason, details, checks = verdict
     if not passed:
         return fail(reason, details, checks)
-    return ExerciseGrade(ex.exercise, ex.title, Result.PASS, reason, details,
+    return ExerciseGrade(ex.exercise, ex.title, Result.PASS, reason, shown(details, lines=True),
                          time.perf_counter() - start, checks)
 
 
@@ -398,16 +322,14 @@ def _notebook(cells: list[nbformat.NotebookNode]) -> nbformat.NotebookNode:
 
 def _collect(chapter: Chapter, ex: ExerciseCells, cells: list[str], timeout: float,
              work: Path, isolation: Isolation = Isolation.SANDBOX) -> tuple[str, str] | None:
-    """Stage 1, in the stage folder ``work/collect`` (the only folder its sandbox may write).
-    Returns (reason, details) when the learner's functions cannot be had."""
+    """Stage 1, in the stage folder ``work/collect`` (the only folder its sandbox may write):
+    the chapter's setup cells, then the learner's ``cells`` (those of the exercises this one
+    builds on, then its own). Returns (reason, details) when the learner's functions cannot
+    be had."""
     stage = work / COLLECT
     stage.mkdir()
     nb_cells = [_code(s) for s in chapter.sources(chapter.setup)]
-    for other in chapter.exercises:
-        if other.exercise == ex.exercise:
-            nb_cells += [_code(s, **{_LEARNER: True}) for s in cells]
-            break
-        nb_cells += [_code(s) for s in chapter.sources(other.solutions)]
+    nb_cells += [_code(s, **{_LEARNER: True}) for s in cells]
     nb_cells.append(_code(
         "import labs.grading.submission as _labs_grading\n"
         f"_labs_grading.export(globals(), {ex.submitted!r}, {str(stage)!r})"))
@@ -458,32 +380,41 @@ def _first_error(cells: object) -> tuple[str, str] | None:
 # --- stage 2: the reference checks on the collected functions, under nbval --------------------
 
 
-def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float,
-           work: Path, isolation: Isolation = Isolation.SANDBOX
-           ) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
+def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, settings: GradeSettings,
+           work: Path) -> tuple[bool, str, str, tuple[dict[str, object], ...]]:
     """Stage 2, in a stage folder ``work/judge`` made now, holding the judge's notebook and
     only the exercise's exported functions, carried from stage 1's folder by the grader.
-    Returns (passed, reason, details, per-check verdicts)."""
+    Returns (passed, the learner's reason, the instructor's details, per-check verdicts)."""
     stage = work / JUDGE
     stage.mkdir()
     submission.carry(work / COLLECT, stage, ex.submitted)
     verdicts = "verdicts.json"
+    sandboxed = settings.isolation is Isolation.SANDBOX
     # The kernel guards itself from the ranks first (labs.grading.guard), then imports.
     cells = [_code("import labs.grading.guard as _labs_guard\n"
-                   f"_labs_guard.guard_judge_kernel({str(stage / 'judge.ipynb')!r})")]
+                   f"_labs_guard.guard_judge_kernel({str(stage / 'judge.ipynb')!r}, "
+                   f"sandboxed={sandboxed})")]
     cells += [_code(s) for s in judge_prelude(chapter, ex)]
     cells.append(_code(
         "import labs.grading.submission as _labs_grading\n"
         f"globals().update(_labs_grading.load({str(stage)!r}, {ex.submitted!r}))\n"
         "_labs_grading_verdicts = []"))
+    timeout = {} if settings.check_timeout is None else {"timeout": settings.check_timeout}
+    hidden_cells: set[int] = set()
+    runs: list[bool] = []  # per check run: hidden?
     for index, call in zip(ex.checks, ex.calls, strict=True):
         expected = chapter.nb.cells[index].outputs
-        runs = [call.call_source] + ([call.with_seed(seed)] if seed else [])
-        for source in runs:
-            cell = _code(f"_labs_grading_verdicts.append({source})",
+        sources = [(call.with_keywords(**timeout), False)]
+        if seed:
+            sources.append((call.with_keywords(seed=seed, **timeout), True))
+        for source, hidden in sources:
+            cell = _code(f"_labs_grading_verdicts.append(_labs_grading.judged(lambda: {source}))",
                          tags=["nbval-check-output"])
             cell.outputs = [nbformat.from_dict(dict(o)) for o in expected]
             cell.execution_count = len(cells)  # nbval refuses outputs of a cell never run
+            if hidden:
+                hidden_cells.add(len(cells))
+            runs.append(hidden)
             cells.append(cell)
     cells.append(_code(
         f"_labs_grading.write_verdicts(_labs_grading_verdicts, {str(stage / verdicts)!r})"))
@@ -496,28 +427,35 @@ def _judge(chapter: Chapter, ex: ExerciseCells, seed: int | None, timeout: float
     command = [
         sys.executable, "-P", "-m", "labs.grading.guard", "judge.ipynb", "-q", "-p",
         "no:cacheprovider", "--noconftest", "-c", "pytest.ini", "--rootdir", ".", "--nbval-lax",
-        "--nbval-current-env", f"--nbval-cell-timeout={int(timeout)}",
+        "--nbval-current-env", f"--nbval-cell-timeout={int(settings.timeout)}",
         "--nbval-sanitize-with", "sanitize.cfg", "--junitxml", "junit.xml",
     ]
-    if isolation is Isolation.SANDBOX:  # nbval's kernel too: it runs the learner's functions
+    if sandboxed:  # nbval's kernel too: it runs the learner's functions (in its ranks)
         command = isolated(command, scratch=stage)
-    returncode, log = run_capped(command, stage, timeout)
+    returncode, log = run_capped(command, stage, settings.timeout)
     (work / "pytest.log").write_text(log)
     if returncode is None:
-        return (False, f"the checks did not finish within {timeout:g} s", "", ())
-    checks = _read_verdicts(stage, verdicts)
-    failures = _junit_failures(stage)
-    details = "\n\n".join(str(c["message"]) for c in checks)
-    if returncode == 0 and checks and all(c["passed"] for c in checks):
+        return (False, f"the checks did not finish within {settings.timeout:g} s", "", ())
+    checks = tuple(dict(c, hidden=hidden) for c, hidden in zip(_read_verdicts(stage, verdicts),
+                                                                runs, strict=False))
+    details = "\n\n".join(f"{'PASS' if c['passed'] else 'FAIL'}"
+                           f"{' [a hidden case, for the instructor]' if c['hidden'] else ''}: "
+                           f"{c['message']}" for c in checks)
+    if returncode == 0 and len(checks) == len(runs) and all(c["passed"] for c in checks):
         return True, f"{len(checks)} check(s) passed", details, checks
-    failed = [c for c in checks if not c["passed"]]
-    if failed:
-        return False, str(failed[0]["message"]), "\n\n".join(
-            f"{'PASS' if c['passed'] else 'FAIL'}: {c['message']}" for c in checks), checks
+    visible = [c for c in checks if not c["passed"] and not c["hidden"]]
+    if visible:
+        return False, str(visible[0]["message"]), details, checks
+    if any(not c["passed"] for c in checks):
+        return False, HIDDEN_FAILED, details, checks
+    failures = _junit_failures(stage)
     if failures:
-        return False, _last_error_line(failures[0]), "\n\n".join(failures), checks
+        cell, text = failures[0]
+        reason = HIDDEN_FAILED if cell in hidden_cells else (
+            f"the check could not run: {_last_error_line(text)}")
+        return False, reason, "\n\n".join(t for _, t in failures), checks
     return False, (f"the checks did not run (pytest exit code {returncode}): "
-                   f"{_clip(log)}"), log, checks
+                   f"{first_line(log)}"), log, checks
 
 
 def _read_verdicts(stage: Path, name: str) -> tuple[dict[str, object], ...]:
@@ -551,15 +489,18 @@ def judge_prelude(chapter: Chapter, ex: ExerciseCells) -> list[str]:
     return [f"from labs.checks import {', '.join(functions)}"]
 
 
-def _junit_failures(stage: Path) -> list[str]:
+def _junit_failures(stage: Path) -> list[tuple[int, str]]:
+    """(the judge notebook's cell index, its failure's text) of each failed cell."""
     try:
         root = ET.fromstring(read_left(stage, "junit.xml"))
     except (UnsafeFile, ET.ParseError):
         return []
     texts = []
     for case in root.iter("testcase"):
+        cell = re.fullmatch(r"Cell (\d+)", case.get("name", ""))
         for bad in (*case.findall("failure"), *case.findall("error")):
-            texts.append(_ANSI.sub("", bad.text or bad.get("message", "")))
+            texts.append((int(cell.group(1)) if cell else -1,
+                          _ANSI.sub("", bad.text or bad.get("message", ""))))
     return texts
 
 

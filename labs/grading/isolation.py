@@ -48,6 +48,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,15 +193,19 @@ def _outermost(paths: object) -> list[Path]:
 
 
 def isolated(command: Sequence[str], *, scratch: Path, probe: bool = False,
-             limits: Limits = Limits()) -> list[str]:
+             limits: Limits = Limits(), share_pids: bool = False) -> list[str]:
     """``command`` wrapped to run in a new sandbox whose one writable directory is
     ``scratch`` (it must exist; the command starts there). ``probe`` builds the sandbox but
-    binds no scratch (for :func:`isolation_problem`)."""
+    binds no scratch (for :func:`isolation_problem`). ``share_pids`` keeps the caller's PID
+    namespace (and its /proc): the judge's ranks sandbox (:mod:`labs.grading.ranks`), whose
+    processes the launcher outside must signal by the pids it was told."""
     # Run as a script, not ``-m labs.grading.isolation``: importing the labs package would
     # import torch, seconds of start-up for every sandbox. -I: no user site, no environment
     # variables steer this interpreter, and the current directory is not on its path.
     inner = [sys.executable, "-I", str(Path(__file__).resolve()), "--home", str(Path.home()),
              *limits.args()]
+    if share_pids:
+        inner.append("--share-pids")
     if not probe:
         inner += ["--scratch", str(Path(scratch).resolve())]
     inner += [f"--read={p}" for p in readable_paths()]
@@ -235,21 +240,38 @@ def _mount(source: str | None, target: Path, fstype: str | None, flags: int,
 # --- outside: the namespaces and the id maps -----------------------------------------------------
 
 
-def _id_maps(outer_uid: int, outer_gid: int) -> tuple[str, str, str]:
-    """(uid_map, gid_map, setgroups) for the new user namespace. Root maps itself (to build the
-    sandbox) and :data:`SANDBOX_UID` (to run in it); a user may map only itself, to root."""
-    if outer_uid == 0:
+def privileged() -> bool:
+    """Whether this process may map ids other than its own into a new user namespace: root
+    with its capabilities (a root grader), not the root of a sandbox that dropped them."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    effective = next((int(line.split()[1], 16) for line in status.splitlines()
+                      if line.startswith("CapEff:")), 0)
+    setuid_setgid = (1 << 7) | (1 << 6)  # CAP_SETUID, CAP_SETGID
+    return effective & setuid_setgid == setuid_setgid
+
+
+def _id_maps(outer_uid: int, outer_gid: int, root: bool) -> tuple[str, str, str]:
+    """(uid_map, gid_map, setgroups) for the new user namespace. Privileged ``root`` maps
+    itself (to build the sandbox) and :data:`SANDBOX_UID` (to run in it); anyone else may map
+    only itself, to root."""
+    if root:
         uids = f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n"
         gids = f"0 0 1\n{SANDBOX_GID} {SANDBOX_GID} 1\n"
         return uids, gids, "allow"
     return f"0 {outer_uid} 1\n", f"0 {outer_gid} 1\n", "deny"
 
 
-def _enter_namespaces() -> None:
-    """Make this process the first of new user, mount, network, IPC, UTS and PID namespaces:
-    a child unshares them and waits while this process (still privileged outside) writes its
-    id maps; the child forks the sandbox's pid 1 and returns in it. This process and the child
-    only wait, pass on their fate and exit: a kill of this process kills the sandbox."""
+def _enter_namespaces(root: bool, new_pids: bool = True) -> None:
+    """Make this process the first of new user, mount, network, IPC, UTS and (``new_pids``)
+    PID namespaces: a child unshares them and waits while this process (still privileged
+    outside) writes its id maps (``root``: :func:`privileged`); the child forks the sandbox's
+    first process (pid 1 of the new PID namespace) and returns in it. This process and the
+    child only wait, pass on their fate and exit: a kill of this process kills the sandbox."""
     uid, gid = os.geteuid(), os.getegid()
     unshared_r, unshared_w = os.pipe()
     mapped_r, mapped_w = os.pipe()
@@ -259,7 +281,8 @@ def _enter_namespaces() -> None:
         os.close(mapped_w)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         _check(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC
-                               | _CLONE_NEWUTS | _CLONE_NEWPID), "unshare")
+                               | _CLONE_NEWUTS | (_CLONE_NEWPID if new_pids else 0)),
+               "unshare")
         os.write(unshared_w, b"1")
         if os.read(mapped_r, 1) != b"1":
             os._exit(125)
@@ -276,7 +299,7 @@ def _enter_namespaces() -> None:
     signal.signal(signal.SIGINT, lambda *_: os.kill(child, signal.SIGKILL))
     ok = os.read(unshared_r, 1) == b"1"
     if ok:
-        uids, gids, setgroups = _id_maps(uid, gid)
+        uids, gids, setgroups = _id_maps(uid, gid, root)
         try:
             Path(f"/proc/{child}/setgroups").write_text(setgroups)
             Path(f"/proc/{child}/uid_map").write_text(uids)
@@ -355,10 +378,12 @@ def _dev(dev: Path, tmpfs_size: int) -> None:
 
 
 def build_root(new_root: Path, read: Sequence[Path], scratch: Path | None, home: Path,
-               tmpfs_size: int) -> None:
+               tmpfs_size: int, own_proc: bool = True) -> None:
     """Inside fresh namespaces: make ``new_root`` the root holding ``read`` (read-only),
-    ``scratch`` (writable), four devices, a new /proc with a read-only /proc/sys, and empty
-    /tmp, /var/tmp, /dev/shm and ``home``."""
+    ``scratch`` (writable), four devices, a /proc and empty /tmp, /var/tmp, /dev/shm and
+    ``home``. The /proc is a new one with a read-only /proc/sys where the sandbox has its own
+    PID namespace (``own_proc``), else the caller's, bound read-only (a sandbox nested in
+    another may not mount a proc of its own over one whose /proc/sys is covered)."""
     _mount(None, Path("/"), None, _MS_REC | _MS_PRIVATE)  # nothing propagates back out
     _tmpfs(new_root, 16 * _MIB, mode="0755")
     # The empty writable folders first: a read-only path may lie inside one (a pyenv Python
@@ -372,8 +397,11 @@ def build_root(new_root: Path, read: Sequence[Path], scratch: Path | None, home:
         _bind(scratch, new_root / scratch.relative_to("/"), writable=True)
     proc = new_root / "proc"
     proc.mkdir(exist_ok=True)
-    _mount("proc", proc, "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    _bind(proc / "sys", proc / "sys", writable=False)
+    if own_proc:
+        _mount("proc", proc, "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        _bind(proc / "sys", proc / "sys", writable=False)
+    else:
+        _bind(Path("/proc"), proc, writable=False)
     old = new_root / _OLD_ROOT
     old.mkdir()
     number = _PIVOT_ROOT.get(os.uname().machine)
@@ -438,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labs/grading/isolation.py")
     parser.add_argument("--scratch", type=Path)
     parser.add_argument("--home", type=Path, default=Path("/root"))
+    parser.add_argument("--share-pids", action="store_true")
     parser.add_argument("--read", type=Path, action="append", default=[])
     defaults = Limits()
     parser.add_argument("--address-space", type=int, default=defaults.address_space)
@@ -448,11 +477,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args[split + 1:]
     if not command:
         parser.error("no command after --")
-    root_outside = os.geteuid() == 0
-    _enter_namespaces()  # returns in the sandbox's first process
+    root_outside = privileged()
+    _enter_namespaces(root_outside, new_pids=not options.share_pids)  # returns inside
     # The new root is built on a directory only this mount namespace sees: the tmpfs is
     # mounted over /mnt's view here, and /mnt itself is not touched outside.
-    build_root(Path("/mnt"), options.read, options.scratch, options.home, options.tmpfs_size)
+    new_root = Path("/mnt") if Path("/mnt").is_dir() else Path(tempfile.mkdtemp(prefix=".root-"))
+    build_root(new_root, options.read, options.scratch, options.home, options.tmpfs_size,
+               own_proc=not options.share_pids)
     _loopback_up()
     if options.scratch is not None and root_outside:
         _hand_over(options.scratch, SANDBOX_UID, SANDBOX_GID)

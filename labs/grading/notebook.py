@@ -86,10 +86,16 @@ class CheckCall:
 
     def with_seed(self, seed: int) -> str:
         """Source of the same call drawing the hidden cases of ``seed``."""
+        return self.with_keywords(seed=seed)
+
+    def with_keywords(self, **values: int | float) -> str:
+        """Source of the same call with these keyword arguments (``seed=``, ``timeout=``),
+        replacing any it gave."""
         call = ast.parse(self.call_source, mode="eval").body
         assert isinstance(call, ast.Call)
-        call.keywords = [k for k in call.keywords if k.arg != "seed"]
-        call.keywords.append(ast.keyword(arg="seed", value=ast.Constant(seed)))
+        call.keywords = [k for k in call.keywords if k.arg not in values]
+        call.keywords += [ast.keyword(arg=name, value=ast.Constant(value))
+                          for name, value in values.items()]
         return ast.unparse(call)
 
 
@@ -158,6 +164,16 @@ class Chapter:
     def sources(self, indices: tuple[int, ...]) -> list[str]:
         return [self.nb.cells[i].source for i in indices]
 
+    def builds_on(self, exercise: ExerciseCells) -> tuple[ExerciseCells, ...]:
+        """The earlier exercises of this chapter whose answers ``exercise``'s reference
+        solution uses (4.2's all-reduce calls 4.1's all-gather): the names it reads that their
+        reference solutions define."""
+        read = {n.id for s in self.sources(exercise.solutions) for n in ast.walk(_parsed(s))
+                if isinstance(n, ast.Name)}
+        earlier = self.exercises[:self.exercises.index(exercise)]
+        return tuple(ex for ex in earlier
+                     if read & {n for s in self.sources(ex.solutions) for n in _defined(s)})
+
     @classmethod
     def load(cls, path: Path) -> Chapter:
         """Read and validate a reference notebook; raise GradingError naming the cell."""
@@ -205,6 +221,25 @@ class Chapter:
                                            tuple(cells["solution"]), tuple(cells["check"]),
                                            calls))
         return cls(path, nb, tuple(setup), tuple(exercises))
+
+
+def _parsed(source: str) -> ast.Module:
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return ast.Module(body=[], type_ignores=[])
+
+
+def _defined(source: str) -> set[str]:
+    """The names a cell defines at its top level (functions, classes, assignments)."""
+    names = set()
+    for node in _parsed(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
 
 
 def _heading_titles(nb: nbformat.NotebookNode) -> dict[str, str]:

@@ -7,6 +7,11 @@ the grader and did not exist when the stage began (kernels, pytest, ranks, and a
 started). On Linux the grader first makes itself a *child subreaper* (``prctl``), so a process
 whose parent died is re-parented to the grader instead of to init and is still found.
 
+A stage that writes without end into its folder (the one folder of the machine's it may
+write) is stopped the same way (:class:`DiskWatch`): the folder is measured a few times a
+second, and past :data:`MAX_STAGE_BYTES` or :data:`MAX_STAGE_FILES` the stage's processes are
+killed.
+
 This is clean-up, not a security sandbox: the learner's code runs with the grader's rights.
 """
 
@@ -26,6 +31,13 @@ import psutil
 #: The most bytes of output the grader keeps from one stage (the learner's kernel may print
 #: without end): past it, outputs are dropped and the verdict says so.
 MAX_OUTPUT_BYTES = 4 << 20
+#: The most bytes (of disk: a sparse file counts what it holds) a stage may keep in its
+#: folder: an exercise's exported functions and the judge's reports take well under 1 MiB.
+MAX_STAGE_BYTES = 256 << 20
+#: The most files and folders a stage may make in its folder.
+MAX_STAGE_FILES = 10_000
+#: How often :class:`DiskWatch` measures a stage's folder.
+DISK_WATCH_PERIOD_S = 0.2
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -140,6 +152,70 @@ class Deadline:
 
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
+
+
+class DiskWatch:
+    """``with DiskWatch(folder, limit, sweep): ...``: while the block runs, ``folder`` is
+    measured every :data:`DISK_WATCH_PERIOD_S` (never following a link); once it holds more
+    than ``limit`` bytes or :data:`MAX_STAGE_FILES` entries, every process ``sweep`` saw start
+    is killed and :attr:`exceeded` says so. A stage writing 160 MiB/s overshoots by a few tens
+    of MiB, against the whole disk it could fill before."""
+
+    def __init__(self, folder: Path, limit: int, sweep: ProcessSweep) -> None:
+        self.folder, self.limit, self._sweep = Path(folder), limit, sweep
+        self.exceeded = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def words(self) -> str:
+        return (f"your code wrote more than {self.limit >> 20} MiB (or {MAX_STAGE_FILES} files) "
+                "into its folder, the most one grading stage may keep")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(DISK_WATCH_PERIOD_S):
+            if folder_usage(self.folder, self.limit, MAX_STAGE_FILES):
+                self.exceeded = True
+                kill_new(self._sweep.before)
+                return
+
+    def __enter__(self) -> DiskWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if not self.exceeded and folder_usage(self.folder, self.limit, MAX_STAGE_FILES):
+            self.exceeded = True  # written between the last look and the stage's end
+
+
+def folder_usage(folder: Path, limit: int, max_entries: int) -> bool:
+    """Whether ``folder`` holds more than ``limit`` bytes of disk or ``max_entries`` entries
+    (each file counted once however many names it has; links not followed). Stops reading
+    as soon as either is passed."""
+    used, entries, seen = 0, 0, set()
+    pending = [str(folder)]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as listing:
+                for entry in listing:
+                    entries += 1
+                    if entries > max_entries:
+                        return True
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif (info.st_dev, info.st_ino) not in seen:
+                        seen.add((info.st_dev, info.st_ino))
+                        used += max(getattr(info, "st_blocks", 0) * 512, info.st_size)
+                        if used > limit:
+                            return True
+        except OSError:
+            continue
+    return False
 
 
 def run_capped(command: Sequence[str], cwd: Path, timeout: float) -> tuple[int | None, str]:

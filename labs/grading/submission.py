@@ -20,15 +20,18 @@ come back as plain data (:mod:`labs.plain_results`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from labs.rank_pickle import pack_call, unpack_call
+from labs.rank_pickle import pack_call, unpack_function
 
 #: The folder, inside a stage's own folder, that holds the exported functions.
 EXPORT = "submission"
@@ -174,19 +177,13 @@ class Sealed:
                            "ranks, never in the judge.")
 
     def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
-        return unseal, (self._blob,)
+        # Opened by a function of labs.rank_pickle, which every rank has imported already:
+        # a rank that unpickles this imports nothing of the grader (nbclient, jsonschema and
+        # what they import cost a rank seconds of CPU, inside its check's deadline).
+        return unpack_function, (self._blob,)
 
     def __repr__(self) -> str:
         return f"<the learner's {self.__name__}, sealed>"
-
-
-def unseal(blob: bytes) -> Any:
-    """The learner's function from its pickle (in a rank, where :class:`Sealed` arrives)."""
-    unpacked = unpack_call(blob)
-    if not (isinstance(unpacked, tuple) and len(unpacked) == 2 and callable(unpacked[0])):
-        raise TypeError("the exported function is not what the grader's export writes (was "
-                        "labs.grading.submission.export replaced?)")
-    return unpacked[0]
 
 
 def read_index(stage: Path, names: Sequence[str]) -> dict[str, dict[str, object]]:
@@ -245,29 +242,78 @@ def load(stage: str, names: Sequence[str]) -> dict[str, Sealed]:
             for name, entry in read_index(Path(stage), names).items() if entry.get("ok")}
 
 
+class _Sink(io.TextIOBase):
+    """A stream that takes every write and keeps nothing."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+#: What the judge prints for a check: the verdict and the check's title, nothing else.
+_TITLE = re.compile(r"Exercise \d+\.\d+ [A-Za-z_][A-Za-z0-9_]*")
+
+
+def verdict_line(result: Any) -> str:
+    """``PASS: Exercise 2.1 ring_all_reduce`` for a check's :class:`labs.checks.CheckResult`:
+    its verdict and its title, made by the check, never a word of the learner's."""
+    title = getattr(result, "exercise", None)
+    if not (isinstance(title, str) and _TITLE.fullmatch(title)):
+        return "FAIL: the check returned no verdict"
+    return f"{'PASS' if getattr(result, 'passed', None) is True else 'FAIL'}: {title}"
+
+
+def judged(check: Callable[[], Any]) -> Any:
+    """Run one check cell's call in the judge and print only :func:`verdict_line` of what it
+    returns. What the check prints, the learner's messages inside it, goes nowhere: nbval
+    compares the judge's own line with the reference's, so no text the learner's code made
+    (a carriage return, an escape sequence, a line that reads PASS) reaches the comparison."""
+    with contextlib.redirect_stdout(_Sink()), contextlib.redirect_stderr(_Sink()):
+        result = check()
+    print(verdict_line(result))
+    return result
+
+
 def write_verdicts(results: Sequence[Any], path: str) -> None:
-    """Record each check's :class:`labs.checks.CheckResult` as JSON."""
-    Path(path).write_text(json.dumps([
-        {"exercise": r.exercise, "passed": bool(r.passed), "message": str(r.message)}
+    """Record each check's :class:`labs.checks.CheckResult` as JSON, in a file made new
+    (never through a link, a FIFO or a file already there)."""
+    data = json.dumps([
+        {"exercise": r.exercise, "passed": r.passed is True, "message": str(r.message)}
         for r in results
-    ]))
+    ])
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(data)
 
 
-def keep_files(root: Path, keep: Path, limit: int = 64 << 20) -> None:
+def keep_files(root: Path, keep: Path, limit: int = 64 << 20) -> int:
     """Copy the regular files under ``root`` (what the stages left, the learner's files among
-    them) to ``keep``, never following a link, skipping sockets, pipes, devices and any file
-    over ``limit`` bytes."""
+    them) to ``keep``, never following a link, skipping sockets, pipes, devices, any file
+    over ``limit`` bytes and any the machine will not write there (a name too long, say).
+    Returns how many files were skipped; it never raises for one of them."""
+    skipped = 0
     for folder, dirs, files in os.walk(root, followlinks=False):
         relative = Path(folder).relative_to(root)
         for name in files:
             try:
                 data = read_left(Path(folder), name, limit=limit)
-            except UnsafeFile:
-                continue
-            target = keep / relative / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.is_symlink() or (target.exists() and not target.is_file()):
-                continue
-            target.write_bytes(data)
-        dirs[:] = [d for d in dirs
-                   if stat.S_ISDIR(os.lstat(os.path.join(folder, d)).st_mode)]
+                target = keep / relative / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.is_symlink() or (target.exists() and not target.is_file()):
+                    skipped += 1
+                    continue
+                target.write_bytes(data)
+            except OSError:  # UnsafeFile too
+                skipped += 1
+        kept = []
+        for d in dirs:
+            try:
+                if stat.S_ISDIR(os.lstat(os.path.join(folder, d)).st_mode):
+                    kept.append(d)
+            except OSError:
+                skipped += 1
+        dirs[:] = kept
+    return skipped
