@@ -27,6 +27,7 @@ from labs.checks.fsdp_practice import _refusals
 from labs.checks.fsdp_practice_cases import (
     CLIP_CASES,
     PIECES_CASES,
+    PREFETCH_CASES,
     TIED_DIM,
     TIED_VOCAB,
     ClipPlan,
@@ -471,10 +472,28 @@ def test_hidden_cases_catch_answers_fitted_to_the_documented_ones(capsys, assert
     result = check_shard_pieces(memorised, seed=1)
     assert_fails(result, "7.2", "numel 9 saved on 2 rank(s) (k_old = 5) and loaded on 5 "
                  "(k_new = 2), rank 0: returned [], expected [(0, 0, 2)]")
-    assert result.message.endswith("[seed 1 drew numel 9, 2 -> 5 rank(s) and numel 31, 7 -> 4 "
-                                   "rank(s); pass seed=1 to rerun]")
+    assert result.message.endswith("[seed 1 drew numel 9, 2 -> 5 rank(s), numel 542746078089, "
+                                   "58 -> 61 rank(s) and numel 420484140059, 27 -> 13 rank(s); "
+                                   "pass seed=1 to rerun]")
     assert str(check_shard_pieces(memorised, seed=1)) == str(result)  # the same every run
     assert check_shard_pieces(shard_pieces, seed=1).passed
+
+
+def test_a_table_computed_from_the_key_beforehand_fails_the_hidden_cases(capsys, assert_fails):
+    """A learner's kernel may call labs' own answer before the check starts: a table of it over
+    every input the hidden cases once drew (numel up to 60, up to 8 ranks) passed them. The
+    hidden cases now include a real model's sizes (2^30 to 2^40 elements, up to 64 ranks)."""
+    table = {(numel, saved, world, rank): shard_pieces(numel, saved, world, rank)
+             for numel in range(1, 61) for saved in range(1, 9) for world in range(1, 9)
+             for rank in range(world)}
+
+    def from_the_table(numel, saved_world_size, world_size, rank):
+        return table[numel, saved_world_size, world_size, rank]
+
+    assert check_shard_pieces(from_the_table).passed
+    capsys.readouterr()
+    assert_fails(check_shard_pieces(from_the_table, seed=1), "7.2",
+                 "numel 542746078089 saved on 58 rank(s)", "shard_pieces raised KeyError")
 
 
 def test_a_seed_draws_another_world_size_and_gradient_for_7_1():
@@ -570,5 +589,25 @@ def test_the_real_run_catches_a_policy_that_behaves_otherwise_in_fsdp(assert_fai
 def test_a_seed_draws_three_more_prefetch_calls(capsys):
     result = check_units_to_prefetch(learner_prefetch, seed=1)
     assert result.passed, result.message
-    assert "[seed 1 drew order [" in result.message
+    assert "[seed 1 drew an order of " in result.message
     assert str(check_units_to_prefetch(learner_prefetch, seed=1)) == str(result)
+
+
+def prefetch_by_number(order, current, prefetch):
+    """Right on the documented cases and on units of short names ("0", "1", ..., as the hidden
+    cases' once were: every order of up to 8 of them, which a table computed from labs' answer
+    beforehand could hold; the real run's "a", "b", "c"). Anything else it does not know."""
+    known = all(len(name) <= 5 for name in order) or (tuple(order), current, prefetch) in {
+        (c.order, c.current, c.prefetch) for c in PREFETCH_CASES}
+    if not known or current not in order:
+        return []
+    after = list(order).index(current) + 1
+    return list(order[after:after + prefetch])
+
+
+@pytest.mark.slow  # a seed's three calls, as above
+def test_hidden_prefetch_cases_name_units_as_a_model_does(capsys, assert_fails):
+    assert check_units_to_prefetch(prefetch_by_number).passed
+    capsys.readouterr()
+    assert_fails(check_units_to_prefetch(prefetch_by_number, seed=1), "7.3",
+                 "an order of ", "returned [], expected [")

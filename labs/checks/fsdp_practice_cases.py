@@ -216,6 +216,14 @@ PIECES_CASES = (PiecesCase(10, 4, 2), PiecesCase(10, 4, 1), PiecesCase(10, 2, 4)
                 PiecesCase(12, 4, 3), PiecesCase(5, 2, 2))
 
 
+#: A hidden case of 7.2 of a real model's size: a unit of 2^30 to 2^40 elements (1 to 1000
+#: billion), saved and loaded on 1 to 64 ranks.
+_MODEL_NUMELS = (1 << 30, 1 << 40)
+_MODEL_WORLD_SIZES = 64
+#: Up to this numel the expected pieces are found element by element.
+_BRUTE_FORCE_NUMEL = 10_000
+
+
 @dataclass(frozen=True)
 class PiecesPlan(CheckPlan):
     """What one check of 7.2 runs (in the learner's process: no ranks, no world sizes)."""
@@ -227,11 +235,17 @@ class PiecesPlan(CheckPlan):
         if seed == 0:
             return cls(seed, (), None, ())
         rng = random.Random(seed)
-        drawn = []
-        while len(drawn) < 2:
-            case = PiecesCase(rng.randint(1, 60), rng.randint(1, 8), rng.randint(1, 8))
-            if case.saved_world_size != case.world_size:
-                drawn.append(case)
+        drawn: list[PiecesCase] = []
+        # One small case (an off-by-one shows there), then two of a real model's size: too
+        # many possible inputs for a table computed beforehand from labs' answer to cover.
+        model = (*_MODEL_NUMELS, _MODEL_WORLD_SIZES)
+        for low, high, ranks in ((1, 60, 8), model, model):
+            while True:
+                case = PiecesCase(rng.randint(low, high), rng.randint(1, ranks),
+                                  rng.randint(1, ranks))
+                if case.saved_world_size != case.world_size:
+                    drawn.append(case)
+                    break
         return cls(seed, (), None, tuple(drawn))
 
     @property
@@ -243,9 +257,25 @@ class PiecesPlan(CheckPlan):
 
 
 def expected_pieces(case: PiecesCase, rank: int) -> list[Piece]:
-    """The pieces of rank ``rank``'s new shard, by brute force: each real element ``e`` of
-    ``[rank*k_new, min((rank+1)*k_new, numel))`` lies at offset ``e - q*k_old`` of saved rank
-    ``q = e // k_old``; consecutive elements of one saved rank make one piece."""
+    """The pieces of rank ``rank``'s new shard: by brute force for a small case (below), else
+    as the saved shards ``q`` that the new shard ``[rank*k_new, min((rank+1)*k_new, numel))``
+    overlaps, each cut to the overlap."""
+    if case.numel <= _BRUTE_FORCE_NUMEL:
+        return _pieces_by_element(case, rank)
+    start, stop = rank * case.k_new, min((rank + 1) * case.k_new, case.numel)
+    if start >= stop:
+        return []
+    pieces = []
+    for q in range(start // case.k_old, (stop - 1) // case.k_old + 1):
+        first, last = q * case.k_old, (q + 1) * case.k_old  # saved shard q, flat
+        pieces.append((q, max(start, first) - first, min(stop, last) - first))
+    return pieces
+
+
+def _pieces_by_element(case: PiecesCase, rank: int) -> list[Piece]:
+    """The pieces by brute force: each real element ``e`` of the new shard lies at offset
+    ``e - q*k_old`` of saved rank ``q = e // k_old``; consecutive elements of one saved rank
+    make one piece."""
     pieces: list[list[int]] = []
     for e in range(rank * case.k_new, min((rank + 1) * case.k_new, case.numel)):
         q, offset = divmod(e, case.k_old)
@@ -303,6 +333,11 @@ PREFETCH_CASES = (
 )
 
 
+#: The parts of the unit names 7.3's hidden cases draw.
+_PARTS = ("blocks", "layers", "encoder.layer", "decoder.layers")
+_LAYERS = ("attn", "mlp", "self_attn", "ffn", "norm")
+
+
 @dataclass(frozen=True)
 class PrefetchPlan(CheckPlan):
     """What one check of 7.3 runs: the calls (its real run, on 2 ranks, is the same for every
@@ -317,9 +352,13 @@ class PrefetchPlan(CheckPlan):
         rng = random.Random(seed)
         drawn = []
         for _ in range(3):
-            order = [str(i) for i in range(rng.randint(2, 8))]
-            rng.shuffle(order)
-            current = rng.choice([*order, str(len(order))])  # sometimes a unit not in it
+            # A model's unit names, drawn now (blocks.17.attn, ...), up to 48 units in a
+            # shuffled order: no table computed beforehand from labs' answer holds them.
+            names = [f"{rng.choice(_PARTS)}.{i}.{rng.choice(_LAYERS)}"
+                     for i in rng.sample(range(1000), rng.randint(2, 48))]
+            order = rng.sample(names, len(names))
+            stranger = f"{rng.choice(_PARTS)}.1000.{rng.choice(_LAYERS)}"
+            current = rng.choice([*order, stranger])  # sometimes a unit not in it
             drawn.append(PrefetchCase(tuple(order), current, rng.randint(1, 4)))
         return cls(seed, (), None, tuple(drawn))
 
@@ -328,7 +367,8 @@ class PrefetchPlan(CheckPlan):
         return (*PREFETCH_CASES, *self.drawn)
 
     def draws(self) -> list[str]:
-        return [case.describe() for case in self.drawn]
+        return [f"an order of {len(c.order)} units ({c.order[0]!r}, ...), current "
+                f"{c.current!r}, prefetch {c.prefetch}" for c in self.drawn]
 
 
 class ShuffledNet(nn.Module):
