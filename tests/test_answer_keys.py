@@ -10,6 +10,7 @@ the cheats a learner would write (the alias import, ``importlib.import_module("l
 "collectives")``, a subclass, a caught refusal) with a one-line verdict naming the key.
 """
 
+import ast
 import importlib
 import inspect
 import math  # noqa: F401  (chapter 7's setup: its solution, run into this module, uses it)
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import labs.checkpoint
+import labs.ring_schedule
 from labs.checks import (
     AnswerKeyUsed,
     check_average_gradients,
@@ -37,11 +39,17 @@ from labs.checks import (
 from labs.checks.answer_keys import (
     ANSWER_KEYS,
     LEARNER_FUNCTIONS,
+    NOT_BY_SHAPE,
+    SHAPE_MATCH,
+    _long_codes,
     answer_key,
     answer_key_table,
     answer_keys_refused,
+    fingerprint,
+    likeness,
     refusal_message,
     refused_function,
+    shape,
 )
 from labs.checks.core import answer_key_refusal
 from labs.checks.exercises import EXERCISES
@@ -51,11 +59,12 @@ from labs.collectives import (  # noqa: F401  (chapter 8's setup: its solution i
     ring_reduce_scatter,
 )
 from labs.ddp import NaiveDDP
+from labs.grading.handout import load_chapters
 from labs.launcher import RankError, RankFailure
 from labs.toy_allreduce import all_reduce_gradients_flat
 from labs.zero import ShardedOptimizer
 
-from solutions import send_by_value, solution
+from solutions import NOTEBOOKS, send_by_value, solution
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -206,6 +215,85 @@ def test_a_copy_of_a_key_is_refused_however_it_was_made():
                 copy(10, 4, 2, 0)
     assert by_source(10, 4, 2, 0) == [(0, 0, 3), (1, 0, 2)]  # the watch is gone after it
     assert sys.getprofile() is None
+
+
+class _Reshape(ast.NodeTransformer):
+    """What a learner does to a key's source so that no fingerprint knows it: every local
+    name renamed, the docstring dropped, a dead statement after every third one."""
+
+    def __init__(self, local: set[str]) -> None:
+        self.local = local
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        if node.id in self.local:
+            node.id = f"my_{node.id}"
+        return node
+
+    def visit_arg(self, node: ast.arg) -> ast.arg:
+        node.arg = f"my_{node.arg}"
+        return node
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        super().generic_visit(node)
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and all(isinstance(b, ast.stmt) for b in body):
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:] or [ast.Pass()]
+            padded: list[ast.stmt] = []
+            for i, statement in enumerate(body):
+                padded.append(statement)
+                if i % 3 == 2:
+                    padded.append(ast.parse("my_unused = len('padding')").body[0])
+            node.body = padded
+        return node
+
+
+def _reshaped(function: types.FunctionType) -> types.FunctionType:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+             and isinstance(n.ctx, ast.Store)} | {a.arg for a in ast.walk(tree)
+                                                 if isinstance(a, ast.arg)}
+    tree = ast.fix_missing_locations(_Reshape(local).visit(tree))
+    namespace = dict(vars(importlib.import_module(function.__module__)))
+    exec(compile(tree, "<a learner's cell>", "exec"), namespace)
+    return namespace[function.__name__]
+
+
+def test_a_key_renamed_and_reshaped_is_refused_by_its_shape():
+    """labs' ring renamed and reshaped passed exercise 2.1: no fingerprint knew it."""
+    key = labs.ring_schedule.compile_pipelined
+    copy = _reshaped(key)
+    assert fingerprint(copy.__code__) != fingerprint(key.__code__)
+    alike = likeness(shape(copy.__code__), shape(key.__code__))
+    assert SHAPE_MATCH < alike < 1, alike
+    with pytest.raises(AnswerKeyUsed, match="has the shape of `labs.ring_schedule."
+                                            "compile_pipelined`"):
+        with answer_keys_refused("2.1"):
+            copy(None, None, [], 1, 1, None)  # refused as it starts
+
+
+def _closest(exercise: str, key: str) -> float:
+    """The share of ``key``'s shape the book's answer to ``exercise`` has (its closest code)."""
+    chapter = next(c for c in load_chapters(NOTEBOOKS) if any(
+        e.exercise == exercise for e in c.exercises))
+    answers = [shape(code) for source in chapter.sources(chapter.exercise(exercise).solutions)
+               for code in _long_codes(compile(source, "<answer>", "exec"))]
+    return max((likeness(a, shape(k)) for a in answers
+                for k in _long_codes(refused_function(key).__code__)), default=0.0)
+
+
+@pytest.mark.parametrize("exercise", list(ANSWER_KEYS))
+def test_the_books_answers_are_far_from_every_key_compared_by_shape(exercise):
+    """The margin the shape rule leaves right answers: a fifth of a key's shape at most,
+    against the half that makes a copy; the keys a right answer is written like are not
+    compared by shape, and each of them is one (the list stays as short as it can)."""
+    for key in ANSWER_KEYS[exercise]:
+        closest = _closest(exercise, key)
+        if key in NOT_BY_SHAPE:
+            assert closest > 0.3 or any(_closest(e, key) > 0.3 for e, keys in
+                                        ANSWER_KEYS.items() if key in keys), key
+        else:
+            assert closest < 0.2, (key, closest)
 
 
 def test_scopes_nest():

@@ -24,6 +24,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -223,6 +225,31 @@ def test_the_grader_keeps_a_bounded_part_of_what_a_kernel_prints(
     assert graded.passed, graded.details  # printing is no fault; the answer is right
     (collected,) = keep.rglob("collect.ipynb")
     assert collected.stat().st_size < MAX_OUTPUT_BYTES + (1 << 20)
+
+
+_PEAK = """
+import resource, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from grading_learners import RIGHT, learner, only
+from labs.grading.grader import GradeSettings, grade
+printing = "import sys\\nfor _ in range(512):\\n    sys.stdout.write('x' * (1 << 20))\\n"
+graded = only(grade([learner(Path({folder!r}), RIGHT + printing)], GradeSettings(hidden=False)))
+print(graded.result.value, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+"""
+
+
+@pytest.mark.slow  # 512 MiB through a kernel (25 s)
+def test_the_graders_memory_is_bounded_by_what_it_keeps(sandbox, tmp_path,
+                                                        no_leftover_processes) -> None:
+    """A kernel that printed 512 MiB made the grader peak at 1.6 GB though it kept 4 MiB: its
+    socket queued every message. It now queues 64, of at most 8 MiB each."""
+    script = _PEAK.format(tests=str(Path(__file__).parent), folder=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, check=True)
+    result, peak_mib = done.stdout.split()[-2:]
+    assert result == "PASS", done.stdout
+    assert int(peak_mib) < 600, f"the grader peaked at {peak_mib} MiB"
 
 
 # --- the sandbox as root -----------------------------------------------------------------------

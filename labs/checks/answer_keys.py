@@ -23,12 +23,18 @@ A copy is refused too: ``exec(inspect.getsource(key))`` or ``types.FunctionType(
 ...)`` makes a new function of the same code. While the scope lasts, every Python function
 called (in any thread started after it began) is compared with the keys by its code's
 :func:`fingerprint`, the bytecode and the names and constants it uses, which a copy keeps
-whatever it is called and wherever it was made.
+whatever it is called and wherever it was made. A copy renamed and reshaped (names, constants
+and a few statements changed, dead ones added) keeps most of its :func:`shape`, the sequence of
+its operations: a function that is not labs' own and shares :data:`SHAPE_MATCH` of a long key's
+shape is refused as that key. The book's reference answers share at most 14 % with any key
+of their exercise, but for three keys that a right answer is written like
+(:data:`NOT_BY_SHAPE`); a key with a third of its lines changed keeps about 65 %.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import hashlib
 import importlib
 import inspect
@@ -61,8 +67,13 @@ class AnswerKeyUsed(RuntimeError):
     answer keys (under any name). Its message is the verdict's: which exercise, which key."""
 
 
-def refusal_message(exercise: str, key: str) -> str:
-    """The one line a refusal says, the same on every run."""
+def refusal_message(exercise: str, key: str, alike: float | None = None) -> str:
+    """The one line a refusal says, the same on every run; ``alike``: the share of the key's
+    shape a copy of it kept."""
+    if alike is not None:
+        return (f"exercise {exercise} asks you to write this; your code has the shape of "
+                f"`{key}`, its answer key (labs' own solution), {alike:.0%} alike: a copy of "
+                "it, refused while the check runs your code.")
     return (f"exercise {exercise} asks you to write this; `{key}` is its answer key (labs' own "
             "solution), refused while the check runs your code.")
 
@@ -170,14 +181,96 @@ def fingerprint(code: types.CodeType) -> str:
     return digest.hexdigest()
 
 
+#: Operations :func:`shape` leaves out: they say nothing of what a function does.
+_NOT_SHAPE = bytes(dis.opmap[name] for name in ("CACHE", "NOP", "EXTENDED_ARG")
+                   if name in dis.opmap)
+_SHAPE_K = 5
+#: Code of fewer operations is not compared by shape: short functions look alike in any
+#: answer (7.3's key is 10 operations long).
+SHAPE_MIN_OPERATIONS = 40
+#: The share of a key's :func:`shape` above which another function is a copy of it.
+SHAPE_MATCH = 0.5
+#: Keys a right answer is written like, so that their shape tells nothing (the share of the
+#: key's shape the book's answer has, measured by tests/test_answer_keys.py): only a call of
+#: them, or a copy of their exact code, is refused.
+NOT_BY_SHAPE: Mapping[str, str] = types.MappingProxyType({
+    "labs.ddp.broadcast_state": "5.1's answer broadcasts the module's state as labs does",
+    "labs.checkpoint.shard_pieces": "7.2's answer walks the saved shards as labs does",
+    "labs.experiments.faults.first_desync": "9.1's answer is labs' own",
+})
+
+
+def shape(code: types.CodeType) -> frozenset[bytes]:
+    """What a renamed and reshaped copy of ``code`` keeps: the runs of five operations in its
+    bytecode, their arguments (names, constants, jumps) left out."""
+    ops = code.co_code[::2].translate(None, _NOT_SHAPE)
+    return frozenset(ops[i:i + _SHAPE_K] for i in range(len(ops) - _SHAPE_K + 1))
+
+
+def likeness(a: frozenset[bytes], b: frozenset[bytes]) -> float:
+    """The share of their runs two shapes have in common (Jaccard), 0 to 1."""
+    return len(a & b) / len(a | b) if a and b else 0.0
+
+
+def _long_codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code nested in it, those of at least :data:`SHAPE_MIN_OPERATIONS`."""
+    if len(code.co_code.translate(None, _NOT_SHAPE)) // 2 >= SHAPE_MIN_OPERATIONS:
+        yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _long_codes(const)
+
+
+def _labs_own_codes() -> set[int]:
+    """The code of every function of the loaded ``labs`` modules (and their classes): the
+    library's own, which the learner's code may call, never a copy."""
+    found: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if not (name == "labs" or name.startswith("labs.")) or module is None:
+            continue
+        values = list(vars(module).values())
+        for value in list(values):
+            if inspect.isclass(value) and value.__module__ == name:
+                values += list(vars(value).values())
+        for value in values:
+            function = getattr(inspect.unwrap(value) if callable(value) else value, "__func__",
+                               value)
+            code = getattr(function, "__code__", None)
+            if isinstance(code, types.CodeType):
+                stack = [code]
+                while stack:
+                    current = stack.pop()
+                    found.add(id(current))
+                    stack += [c for c in current.co_consts if isinstance(c, types.CodeType)]
+    return found
+
+
 @contextlib.contextmanager
-def _copies_refused(prints: dict[str, Callable[[], NoReturn]]) -> Iterator[None]:
+def _copies_refused(prints: dict[str, Callable[[], NoReturn]],
+                    shapes: list[tuple[frozenset[bytes], Callable[[float], NoReturn]]] = ()
+                    ) -> Iterator[None]:
     """Inside: a Python function whose code has one of the fingerprints ``prints`` calls that
-    fingerprint's refusal when it starts (a profile hook, in this thread and the threads
-    started inside; each code is fingerprinted once)."""
+    fingerprint's refusal when it starts, and one that is not labs' own and shares
+    :data:`SHAPE_MATCH` of one of ``shapes`` calls that shape's refusal (a profile hook, in
+    this thread and the threads started inside; each code is looked at once)."""
     seen: dict[int, tuple[types.CodeType, Callable[[], NoReturn] | None]] = {}
+    own = _labs_own_codes() if shapes else set()
     before = sys.getprofile()
     before_threads = getattr(threading, "getprofile", lambda: None)()
+
+    def judged(code: types.CodeType) -> Callable[[], NoReturn] | None:
+        if id(code) in _STUB_CODES:
+            return None
+        refusal = prints.get(fingerprint(code))
+        if refusal is not None or id(code) in own:
+            return refusal
+        for mine in _long_codes(code):
+            ours = shape(mine)
+            for key_shape, refuse in shapes:
+                alike = likeness(ours, key_shape)
+                if alike >= SHAPE_MATCH:
+                    return lambda refuse=refuse, alike=alike: refuse(alike)
+        return None
 
     def watch(frame: types.FrameType, event: str, arg: object) -> None:
         if before is not None:
@@ -187,8 +280,7 @@ def _copies_refused(prints: dict[str, Callable[[], NoReturn]]) -> Iterator[None]
         code = frame.f_code
         known = seen.get(id(code))
         if known is None or known[0] is not code:
-            refusal = None if id(code) in _STUB_CODES else prints.get(fingerprint(code))
-            known = seen[id(code)] = (code, refusal)
+            known = seen[id(code)] = (code, judged(code))
         if known[1] is not None:
             known[1]()
 
@@ -209,20 +301,21 @@ class _Refusals:
     """One scope's refusals: which exercise, and the keys its learner's code called."""
 
     exercise: str
-    used: list[str] = field(default_factory=list)
+    used: list[tuple[str, float | None]] = field(default_factory=list)
 
-    def refusal(self, key: str) -> Callable[[], NoReturn]:
-        """What key ``key``'s stub calls: record the call, raise."""
+    def refusal(self, key: str) -> Callable[..., NoReturn]:
+        """What key ``key``'s stub calls (or a copy of its shape, with how alike): record the
+        call, raise."""
 
-        def refuse() -> NoReturn:
-            self.used.append(key)
-            raise AnswerKeyUsed(refusal_message(self.exercise, key))
+        def refuse(alike: float | None = None) -> NoReturn:
+            self.used.append((key, alike))
+            raise AnswerKeyUsed(refusal_message(self.exercise, key, alike))
 
         return refuse
 
     def first(self) -> AnswerKeyUsed:
         """The refusal to raise again (the first, so that the verdict is the same each run)."""
-        return AnswerKeyUsed(refusal_message(self.exercise, self.used[0]))
+        return AnswerKeyUsed(refusal_message(self.exercise, *self.used[0]))
 
 
 @contextlib.contextmanager
@@ -241,6 +334,7 @@ def answer_keys_refused(exercise: str) -> Iterator[None]:
     refusals = _Refusals(exercise)
     swapped: dict[int, tuple[types.FunctionType, types.CodeType]] = {}
     prints: dict[str, Callable[[], NoReturn]] = {}
+    shapes: list[tuple[frozenset[bytes], Callable[[float], NoReturn]]] = []
     try:
         for key in ANSWER_KEYS[exercise]:
             function = refused_function(key)
@@ -250,9 +344,11 @@ def answer_keys_refused(exercise: str) -> Iterator[None]:
             swapped[id(function)] = (function, original)
             if id(original) not in _STUB_CODES:
                 prints[fingerprint(original)] = refusals.refusal(key)
+                if key not in NOT_BY_SHAPE:
+                    shapes += [(shape(c), refusals.refusal(key)) for c in _long_codes(original)]
             function.__code__ = _refusing_code(original, refusals.refusal(key))
             _STUB_CODES[id(function.__code__)] = function.__code__
-        with _copies_refused(prints):
+        with _copies_refused(prints, shapes):
             yield
     except Exception as exc:
         if refusals.used and not isinstance(exc, AnswerKeyUsed):

@@ -58,7 +58,9 @@ from pathlib import Path
 
 import ipykernel.kernelspec
 import nbformat
+import zmq
 from jupyter_client import AsyncKernelManager
+from jupyter_client.asynchronous import AsyncKernelClient
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -226,7 +228,7 @@ def grade_exercise(chapter: Chapter, hand_in: HandIn, ex: ExerciseCells, seed: i
 
     def fail(reason: str, details: str = "", checks: tuple[dict[str, object], ...] = ()
              ) -> ExerciseGrade:
-        return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, shown(reason),
+        return ExerciseGrade(ex.exercise, ex.title, Result.FAIL, shown(reason, lines=True),
                              shown(details or reason, lines=True), time.perf_counter() - start,
                              checks)
 
@@ -262,6 +264,29 @@ def _too_long(timeout: float) -> str:
     return (f"your code did not finish within {timeout:g} s, the limit of the whole stage that "
             "runs your cells (a loop that never ends, or a long call at the top level of a "
             "cell?)")
+
+
+class _BoundedKernelClient(AsyncKernelClient):
+    """The grader's end of a learner's kernel, whose output socket (iopub) queues at most
+    :data:`_QUEUED_MESSAGES` messages and takes none over :data:`_MAX_MESSAGE_BYTES`, so that a
+    kernel that prints without end cannot make the grader hold it all while
+    :class:`_CappedClient` keeps only :data:`MAX_OUTPUT_BYTES` of it. What does not fit is
+    output, dropped; the replies the grader waits for come on the other sockets, unbounded."""
+
+    def connect_iopub(self, identity: bytes | None = None) -> zmq.Socket:
+        bounds = {zmq.RCVHWM: _QUEUED_MESSAGES, zmq.MAXMSGSIZE: _MAX_MESSAGE_BYTES}
+        for option, value in bounds.items():  # a context's options go to its new sockets
+            self.context.setsockopt(option, value)
+        try:
+            return super().connect_iopub(identity=identity)
+        finally:
+            for option in bounds:
+                self.context.sockopts.pop(option, None)
+
+
+#: How many messages of a learner's kernel the grader's sockets queue, and how large one may be.
+_QUEUED_MESSAGES = 64
+_MAX_MESSAGE_BYTES = 8 << 20
 
 
 class _CappedClient(NotebookClient):
@@ -341,7 +366,8 @@ def _collect(chapter: Chapter, ex: ExerciseCells, cells: list[str], timeout: flo
     km = AsyncKernelManager(kernel_name=_CURRENT_ENV,
                             kernel_spec_manager=_CurrentEnvSpecs(sandbox=sandbox),
                             transport="ipc", ip=str(stage / _SOCKETS),
-                            connection_file=str(stage / "kernel.json"))
+                            connection_file=str(stage / "kernel.json"),
+                            client_class=f"{__name__}._BoundedKernelClient")
     client = _CappedClient(nb, km=km, timeout=int(timeout), allow_errors=True,
                            resources={"metadata": {"path": str(stage)}})
     try:
@@ -469,7 +495,7 @@ def _read_verdicts(stage: Path, name: str) -> tuple[dict[str, object], ...]:
             isinstance(c, dict) and isinstance(c.get("passed"), bool) for c in raw):
         return ()
     return tuple({"exercise": str(c.get("exercise", "")), "passed": c["passed"],
-                  "message": str(c.get("message", ""))} for c in raw)
+                  "message": shown(c.get("message", ""), lines=True)} for c in raw)
 
 
 def judge_prelude(chapter: Chapter, ex: ExerciseCells) -> list[str]:
