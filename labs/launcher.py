@@ -82,11 +82,12 @@ from labs.launch_inputs import (
 )
 from labs.link import Link, Topology
 from labs.rank_errors import (
+    MAIN_GUARD,
     LaunchTimeout,
     RankError,
     RankFailure,
+    died,
     first_failure,
-    last_words,
     name_cells,
     stuck_stack,
 )
@@ -100,6 +101,7 @@ from labs.rank_results import (
     echo_output,
     plain_failure,
     read_output,
+    written_bytes,
 )
 
 __all__ = [
@@ -125,10 +127,8 @@ __all__ = [
 _FAILURE_GRACE_S = 0.3
 #: How long a rank gets to exit after SIGTERM before SIGKILL.
 _KILL_GRACE_S = 1.0
-#: How long the ranks of a launch have to start and meet (fork, unpickle their function,
-#: import what it needs, meet in the store), counted from when they exist. Their ``timeout``
-#: starts once every one has joined the group: on a machine busy with other work, starting
-#: can take seconds that are no fault of the worker's.
+#: How long the ranks have to start and meet, from when they exist (on a busy machine seconds
+#: that are no fault of the worker's); their ``timeout`` starts once all have joined the group.
 STARTUP_TIMEOUT_S = 120.0
 #: What a rank sends first, once it has joined its process group (a report is never empty).
 _JOINED = b""
@@ -244,7 +244,7 @@ def launch(
         LaunchTimeout: ranks still running after ``timeout`` seconds (they are killed).
     """
     if getattr(mp.current_process(), "_inheriting", False):
-        raise RuntimeError(_MAIN_GUARD)
+        raise RuntimeError(MAIN_GUARD)
     placement = check_inputs(fn, world_size, args, backend, timeout, device,
                              link=link is not None)
     if isinstance(failure_grace, bool) or not isinstance(failure_grace, (int, float)) \
@@ -292,9 +292,7 @@ def launch(
         try:
             for spec, payload in zip(specs, payloads, strict=True):
                 ranks.append(_Rank.start(ctx, payload, spec))
-            # The clock starts once every rank has joined its group (_supervise): the first
-            # launch also starts the forkserver, which imports torch (seconds on a GPU box),
-            # and a busy machine starts ranks late, and neither is the worker's fault.
+            # The clock starts once every rank has joined its group (_supervise).
             outcome = _supervise(ranks, deadline=time.monotonic() + STARTUP_TIMEOUT_S,
                                  grace=failure_grace, result_types=result_types,
                                  count_writes=count_writes)
@@ -479,10 +477,9 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float,
                result_types: Sequence[type] | None = None, count_writes: bool = False
                ) -> Done | Failed | TimedOut:
     """Wait for every rank's report; stop ``grace`` seconds after the first failure (or
-    once every rank has reported), or at the deadline: ``deadline`` (a start-up deadline)
-    until every rank has said it joined its group, then that moment plus the launch's
-    timeout, each rank's ``spec.timeout_s``. With ``count_writes``, read what each rank wrote
-    once all have reported and before any is released (:func:`_written`)."""
+    once every rank has reported), or at the deadline: ``deadline`` until every rank has
+    joined its group, then that moment plus ``spec.timeout_s``. With ``count_writes``, read
+    what each rank wrote once all have reported and before any is released."""
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
     pending = {r.spec.rank: r for r in ranks}
@@ -522,24 +519,14 @@ def _supervise(ranks: list[_Rank], deadline: float, grace: float,
 
 
 def _written(r: _Rank) -> int:
-    """The bytes rank ``r`` passed to write system calls (the kernel's count, ``wchar``), less
-    its output files and its report; -1 where the kernel does not say (not Linux, or the rank
-    is gone). Read while every rank waits for its release: whatever a rank sent before its
-    peers could report is in it, whichever rank reported first."""
-    try:
-        fields = dict(line.split(":", 1) for line in
-                      Path(f"/proc/{r.process.pid}/io").read_text().splitlines())
-        total = int(fields["wchar"])
-        printed = sum(os.path.getsize(p) for p in (r.spec.stdout_path, r.spec.stderr_path))
-    except (OSError, KeyError, ValueError):
-        return -1
-    return total - printed - r.report_bytes
+    """What rank ``r`` wrote (:func:`written_bytes`), read while every rank awaits release."""
+    return written_bytes(r.process.pid, (r.spec.stdout_path, r.spec.stderr_path),
+                         r.report_bytes)
 
 
 def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str, Any]:
-    """A rank's next message: ("joined", None) once it is in its group, then its report:
-    ("ok", its pickled result, or its result as plain data when ``result_types`` is given)
-    or ("error", a RankFailure)."""
+    """A rank's next message: ("joined", None), then ("ok", its result: unpickled, or as plain
+    data when ``result_types`` is given) or ("error", a RankFailure)."""
     try:
         data = r.conn.recv_bytes(plain_results.MAX_BYTES if result_types is not None
                                  else None)
@@ -564,31 +551,10 @@ def _receive(r: _Rank, result_types: Sequence[type] | None = None) -> tuple[str,
             traceback="", when=time.time())
 
 
-#: A rank process imports the main script before it runs anything (forkserver and spawn do),
-#: so a script that calls launch() at module level would launch again from every rank.
-_MAIN_GUARD = (
-    "launch() was called while a rank process was importing the main script. Every rank "
-    "imports it first, so a call at module level runs again in each rank: put it under "
-    "`if __name__ == \"__main__\":`.")
-
-
 def _died(r: _Rank) -> RankFailure:
     r.process.join(timeout=1.0)
-    code = r.process.exitcode
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
-    hint = ""
-    if code == 1 and getattr(sys.modules.get("__main__"), "__file__", None):
-        hint = (" If the script calls launch() at module level, put the call under "
-                "`if __name__ == \"__main__\":` (every rank imports the main script first).")
-    last = last_words(read_output(r.spec.stderr_path))
-    said = f"\nWhat it wrote last (stderr):\n{last}" if last else ""
-    return RankFailure(
-        rank=r.spec.rank, exc_type="RankDied",
-        message=f"the process of rank {r.spec.rank} {how} before returning a result",
-        traceback="(no Python traceback: the process ended without raising; look for os._exit, "
-        f"sys.exit in C code or a crash.{hint}){said}",
-        when=time.time(),
-    )
+    return died(r.spec.rank, r.process.exitcode, read_output(r.spec.stderr_path),
+                from_script=bool(getattr(sys.modules.get("__main__"), "__file__", None)))
 
 
 def _stop(ranks: list[_Rank], outcome: Done | Failed | TimedOut | None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,6 +125,34 @@ def first_failure(failures: list[RankFailure]) -> RankError:
     causes = [f for f in failures if not f.peer_lost] or failures
     first = min(causes, key=lambda f: f.when)
     return RankError(first, sorted((f for f in failures if f is not first), key=lambda f: f.rank))
+
+
+#: A rank process imports the main script before it runs anything (forkserver and spawn do),
+#: so a script that calls launch() at module level would launch again from every rank.
+MAIN_GUARD = (
+    "launch() was called while a rank process was importing the main script. Every rank "
+    "imports it first, so a call at module level runs again in each rank: put it under "
+    "`if __name__ == \"__main__\":`.")
+
+
+def died(rank: int, code: int | None, stderr: str, from_script: bool) -> RankFailure:
+    """What a rank whose process ended without reporting failed with: how it ended (exit
+    ``code``, or the signal of a negative one), what it wrote last on ``stderr``, and, for a
+    rank of a script (``from_script``) that exited with 1, the missing main guard."""
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+    hint = ""
+    if code == 1 and from_script:
+        hint = (" If the script calls launch() at module level, put the call under "
+                "`if __name__ == \"__main__\":` (every rank imports the main script first).")
+    last = last_words(stderr)
+    said = f"\nWhat it wrote last (stderr):\n{last}" if last else ""
+    return RankFailure(
+        rank=rank, exc_type="RankDied",
+        message=f"the process of rank {rank} {how} before returning a result",
+        traceback="(no Python traceback: the process ended without raising; look for os._exit, "
+        f"sys.exit in C code or a crash.{hint}){said}",
+        when=time.time(),
+    )
 
 
 def last_words(stderr: str) -> str:

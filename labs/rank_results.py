@@ -13,7 +13,9 @@ them back, the launcher drops gloo's connection lines (:data:`GLOO_CONNECTED`), 
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,12 +87,36 @@ def plain_failure(rank: int, fields: dict[Any, Any]) -> RankFailure:
                        traceback=texts["traceback"], when=float(fields["when"]))
 
 
+#: The most bytes of one rank's output file the launcher reads (the start of it).
+MAX_OUTPUT_BYTES = 4 << 20
+
+
 def read_output(path: str) -> str:
-    """A file a rank wrote (its output, or its stack dump), or "" when it wrote none."""
+    """A file a rank wrote (its output, or its stack dump), at most :data:`MAX_OUTPUT_BYTES`
+    of it; "" when it wrote none, or left something else there (a link, a FIFO: the rank may
+    run code the caller does not trust, and the caller must not follow it or wait on it)."""
     try:
-        return Path(path).read_text(errors="replace")
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return ""
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return handle.read(MAX_OUTPUT_BYTES).decode(errors="replace")
+
+
+def written_bytes(pid: int, outputs: tuple[str, ...], report_bytes: int) -> int:
+    """The bytes process ``pid`` passed to write system calls (the kernel's count, ``wchar``),
+    less its ``outputs`` files and its ``report_bytes``; -1 where the kernel does not say (not
+    Linux, or the process is gone)."""
+    try:
+        fields = dict(line.split(":", 1) for line in
+                      Path(f"/proc/{pid}/io").read_text().splitlines())
+        total = int(fields["wchar"])
+        printed = sum(os.path.getsize(p) for p in outputs)
+    except (OSError, KeyError, ValueError):
+        return -1
+    return total - printed - report_bytes
 
 
 def echo_output(stdout: list[str], stderr: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -113,6 +114,8 @@ def test_bad_metadata_fails_that_notebook_and_the_batch_goes_on(tmp_path, capsys
     odd.metadata["labs"] = {"chapter": ["01_toy_allreduce.ipynb"]}
     nbformat.write(odd, tmp_path / "odd.ipynb")
     (tmp_path / "notes.ipynb").write_text("{}")
+    (tmp_path / os.fsdecode(b"\xff\xe2\x88\x95.ipynb")).write_bytes(b"\x1b[2K\r")  # an
+    # undecodable name with a look-alike slash; bytes that are no notebook
     found = hand_ins([tmp_path / "odd.ipynb", tmp_path / "notes.ipynb"], REFERENCE)
     assert "cannot tell which chapter" in match_chapter(found[0], CHAPTERS)
     assert match_chapter(found[1], CHAPTERS) == "not a notebook: no list of cells"
@@ -120,10 +123,11 @@ def test_bad_metadata_fails_that_notebook_and_the_batch_goes_on(tmp_path, capsys
         report = grade([tmp_path], GradeSettings(hidden=False, isolation=Isolation.NONE))
         code = main(["grade", str(tmp_path), "--no-isolation", "--no-hidden"])
     assert [n.problem.split(":")[0] for n in report.notebooks] == [
-        "not a notebook", "cannot tell which chapter it is"]
+        "not a notebook", "cannot tell which chapter it is", "not a notebook"]
     assert code == EXIT_FAILED and not report.passed
     out = capsys.readouterr().out
-    assert "notes.ipynb  -         FAIL    not a notebook: no list of cells" in out
+    assert re.search(r"notes.ipynb +- +FAIL +not a notebook: no list of cells", out)
+    assert re.search(r"/\\udcff\\u2215.ipynb +- +FAIL +not a notebook: not JSON", out), out
 
 
 # --- the report shows every learner-made string escaped -----------------------------------------

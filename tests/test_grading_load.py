@@ -23,9 +23,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labs.checks.core import explain_hang, is_learners_frame
 from labs.grading.handout import load_chapters, release_notebook
 from labs.grading.isolation import isolation_problem
-from labs.launcher import launch
+from labs.launcher import LaunchTimeout, launch
 from labs.rank_pickle import pack_call
 
 REFERENCE = Path(__file__).resolve().parents[1] / "notebooks"
@@ -100,3 +101,22 @@ def test_right_answers_pass_with_the_cores_busy_and_two_graders_at_once(
         data = json.loads(report.read_text())
         assert data["passed"] == data["total"] == 2, out
     print(f"two graders, two burners: {time.monotonic() - start:.0f} s")
+
+
+def test_a_hang_is_blamed_on_the_learner_only_where_a_rank_was_in_the_learners_code() -> None:
+    """A busy machine once stopped right answers with "hung for 10 s ... Every rank must call
+    all_reduce", naming a line of ``lark`` (imported by the rank) as where the learner's code
+    waited. Frames of installed packages, the interpreter and labs are never the learner's."""
+    import torch  # noqa: PLC0415
+
+    installed = f'  File "{Path(torch.__file__).parent}/distributed/c10d.py", line 3 in wait'
+    cell = '  File "/tmp/ipykernel_4242/3141.py", line 7 in my_ring_all_reduce'
+    busy = LaunchTimeout([0, 1], 10, {0: installed, 1: installed})
+    verdict, where = explain_hang(2, busy, 10)
+    assert verdict is not None and "none of them was running your code" in verdict
+    assert "--check-timeout" in verdict and not where
+    stuck = LaunchTimeout([1], 10, {1: installed + "\n" + cell})
+    assert explain_hang(2, stuck, 10) == (None, ' Rank 1 was waiting at File "<notebook cell>", '
+                                                "line 7 in my_ring_all_reduce.")
+    assert is_learners_frame(cell) and is_learners_frame("    Cell In[5], line 3")
+    assert not is_learners_frame(installed)
