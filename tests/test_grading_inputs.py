@@ -217,3 +217,15 @@ def test_a_stage_that_fills_its_folder_is_stopped(tmp_path) -> None:
     assert disk.exceeded and proc.returncode is not None
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) < 256 << 20
     assert "wrote more than 32 MiB" in disk.words()
+
+
+def test_the_check_timeout_reaches_every_check_call_and_the_report() -> None:
+    chapter = next(c for c in CHAPTERS if c.name == TOY)
+    (call,) = chapter.exercise("1.1").calls
+    assert call.with_keywords(seed=7, timeout=30.0) == (
+        "check_average_gradients(average_gradients, seed=7, timeout=30.0)")
+    assert "each check's ranks had 30 s (--check-timeout)" in Report(
+        7, (), check_timeout=30.0).table()
+    assert "--check-timeout" not in Report(7, ()).table()
+    with pytest.raises(Exception, match="check_timeout must be a positive"):
+        GradeSettings(check_timeout=0)
