@@ -57,7 +57,7 @@ define run_suite
 	$(1)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
 	$(1)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow" --durations=25
 	$(1)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider \
-	  notebooks -q -n $(WORKERS) --dist loadscope
+	  notebooks -q -n $(WORKERS) --dist loadscope --durations=10
 endef
 
 test: $(STAMP)

@@ -90,6 +90,7 @@ def marked() -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow  # a grading of chapter 1 with a daemon to wait out (19 s)
 def test_a_verdict_printed_or_swapped_by_the_learner_fails(sandbox, tmp_path,
                                                             no_leftover_processes) -> None:
     """The learner's exception name redrew the check's output as the reference's verdict,

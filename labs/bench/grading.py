@@ -141,6 +141,8 @@ def add_grading_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--graders", type=int, default=1,
                         help="with --book: graders side by side")
     parser.add_argument("--seed", type=int, default=11, help="with --book: the hidden cases")
+    parser.add_argument("--only", choices=("stubs", "answers"),
+                        help="with --book: grade only the released stubs or only the answers")
 
 
 def grading_main(opts: argparse.Namespace) -> None:
@@ -151,7 +153,8 @@ def grading_main(opts: argparse.Namespace) -> None:
         print(f"no sandbox on this machine: {problem}")
         return
     if opts.book:
-        for answers in (False, True):
+        kinds = {"stubs": (False,), "answers": (True,), None: (False, True)}[opts.only]
+        for answers in kinds:
             what = "reference answers" if answers else "released stubs"
             print(f"{what}, {opts.graders} grader(s) side by side, {opts.busy} CPU burner(s):")
             print(format_table(["chapter", "passed", "s / exercise"],
