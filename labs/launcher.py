@@ -130,6 +130,9 @@ _KILL_GRACE_S = 1.0
 #: How long the ranks have to start and meet, from when they exist (on a busy machine seconds
 #: that are no fault of the worker's); their ``timeout`` starts once all have joined the group.
 STARTUP_TIMEOUT_S = 120.0
+#: How much longer the default group's timeout is than ``timeout``: a hang is ended by the
+#: launcher (stacks dumped), not by gloo, even when a busy launcher hears late of the joins.
+GROUP_TIMEOUT_MARGIN_S = 60.0
 #: What a rank sends first, once it has joined its process group (a report is never empty).
 _JOINED = b""
 #: Modules the forkserver imports once, so that forked ranks start with torch loaded.
@@ -213,7 +216,7 @@ def launch(
             one-GPU mode's path, run where there is no GPU (the parity tests use it).
         timeout: seconds the ranks may run, counted once all of them have joined the process
             group (they have :data:`STARTUP_TIMEOUT_S` to start and join); then those still
-            running are killed and LaunchTimeout is raised.
+            running are killed and LaunchTimeout is raised (the group's own timeout is longer).
         echo: print what each rank printed, prefixed ``[rank k]``, after the ranks finish.
         threads: each rank's intra-op threads (``torch.set_num_threads``, OMP_NUM_THREADS).
             Default: the machine's cores divided by ``world_size``, at least 1, so that N ranks
@@ -409,10 +412,11 @@ def _join_group(spec: _RankSpec) -> None:
     if store.add("labs/started", 1) == spec.world_size:
         store.set("labs/all started", "1")
     store.wait(["labs/all started"])
-    store.set_timeout(timedelta(seconds=spec.timeout_s))
+    group_timeout = timedelta(seconds=spec.timeout_s + GROUP_TIMEOUT_MARGIN_S)
+    store.set_timeout(group_timeout)
     dist.init_process_group(
         spec.placement.backend.value, store=store, rank=spec.rank, world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=group_timeout,
     )
 
 

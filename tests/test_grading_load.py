@@ -82,7 +82,9 @@ def test_a_rank_that_opens_a_sealed_function_imports_nothing_of_the_grader() -> 
 
 @pytest.mark.slow  # about 4 minutes: two graders and two burners on two cores
 def test_right_answers_pass_with_the_cores_busy_and_two_graders_at_once(
-        tmp_path, burners, no_leftover_processes) -> None:
+        tmp_path, no_leftover_processes, burners) -> None:
+    # burners after no_leftover_processes: fixtures end in reverse, so they are gone before
+    # the check for leftovers runs
     problem = isolation_problem()
     if problem:
         pytest.skip(f"no sandbox on this machine: {problem}")
