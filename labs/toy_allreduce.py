@@ -213,3 +213,45 @@ def full_batch_gradients(sentences: Sequence[str], seed: int = 0) -> dict[str, t
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest absolute element-wise difference between two sets of named gradients."""
     return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def float32_steps(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every entry's difference ``|got - want|`` in float32 steps: multiples of the gap
+    between ``|want|`` and the next float32 above it (one step is a change of the last bit).
+    Rounding differs by a few steps; a wrong answer by millions. 1-D, one per entry."""
+    g = torch.cat([got[name].reshape(-1) for name in want]).double()
+    w = torch.cat([want[name].reshape(-1) for name in want]).float()
+    step = (torch.nextafter(w.abs(), torch.tensor(float("inf"))) - w.abs()).double()
+    return (g - w.double()).abs() / step
+
+
+# --- the same calls in another order -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TwoSums:
+    """What one rank holds after all-reducing two same-sized gradients, ``weight`` and
+    ``bias``, and what a correct all-reduce leaves there."""
+
+    rank: int
+    weight: float
+    bias: float
+    want_weight: float
+    want_bias: float
+
+
+def swapped_order_sums(rank: int, world_size: int, swapped_rank: int) -> TwoSums:
+    """Every rank all-reduces its ``weight`` gradient (rank + 1) and then its ``bias``
+    gradient (100 (rank + 1)), both of 4 numbers, except ``swapped_rank``, which issues them
+    the other way round.
+
+    A collective is matched by the order of the calls, not by the tensor's name: the first
+    all-reduce adds the other ranks' ``weight`` to ``swapped_rank``'s ``bias``. The sizes
+    agree, so nothing fails; every rank ends with wrong sums."""
+    weight = torch.full((4,), float(rank + 1), device=rank_device())
+    bias = torch.full((4,), 100.0 * (rank + 1), device=rank_device())
+    first, second = (bias, weight) if rank == swapped_rank else (weight, bias)
+    dist.all_reduce(first)
+    dist.all_reduce(second)
+    total = world_size * (world_size + 1) / 2
+    return TwoSums(rank, weight[0].item(), bias[0].item(), total, 100 * total)

@@ -18,9 +18,11 @@ from labs.toy_allreduce import (
     EXAMPLE_SENTENCES,
     ToyAllReduceConfig,
     data_parallel_gradients,
+    float32_steps,
     full_batch_gradients,
     max_abs_difference,
     shard_sentences,
+    swapped_order_sums,
     toy_all_reduce_step,
 )
 
@@ -77,6 +79,32 @@ def test_averaged_gradients_differ_when_batches_are_uneven():
     ranks = launch(data_parallel_gradients, 3, args=(EXAMPLE_SENTENCES,), echo=False)
     reference = full_batch_gradients(EXAMPLE_SENTENCES)
     assert max_abs_difference(ranks[0].averaged, reference) > 1e-3
+
+
+def test_rounding_is_a_few_float32_steps_and_a_wrong_average_is_not():
+    reference = full_batch_gradients(EXAMPLE_SENTENCES)
+    even = launch(data_parallel_gradients, 4, args=(EXAMPLE_SENTENCES,), echo=False)
+    uneven = launch(data_parallel_gradients, 3, args=(EXAMPLE_SENTENCES,), echo=False)
+    assert float32_steps(even[0].averaged, reference).max() < 1000
+    assert float32_steps(uneven[0].averaged, reference).max() > 1e5
+    assert float32_steps(reference, reference).max() == 0
+    one_step = {n: torch.nextafter(g, torch.tensor(float("inf"))) for n, g in reference.items()}
+    assert float32_steps(one_step, reference).max() == 1
+
+
+@pytest.mark.parametrize("world_size, swapped", [(2, 1), (4, 3)])
+def test_two_same_sized_all_reduces_in_another_order_give_wrong_sums_silently(world_size,
+                                                                             swapped):
+    sums = launch(swapped_order_sums, world_size, args=(swapped,), echo=False)
+    total = world_size * (world_size + 1) / 2
+    for s in sums:
+        assert (s.want_weight, s.want_bias) == (total, 100 * total)
+        assert s.weight != s.want_weight and s.bias != s.want_bias
+    # the first call paired the others' weight with the swapped rank's bias
+    first = total - swapped - 1 + 100 * (swapped + 1)
+    assert sums[0].weight == first and sums[swapped].bias == first
+    in_order = launch(swapped_order_sums, world_size, args=(-1,), echo=False)
+    assert all((s.weight, s.bias) == (s.want_weight, s.want_bias) for s in in_order)
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

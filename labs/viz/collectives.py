@@ -1,7 +1,6 @@
-"""Figures for chapters 1-4 (matplotlib): the toy all-reduce, gradient parity, traffic, the
-ring frame by frame and its animation, collective timings, the cost model on the emulated
-link. Their text tables are in
-:mod:`labs.tables`."""
+"""Figures for chapters 1-4 (matplotlib): the toy all-reduce, rounding against the full
+batch, traffic, the ring frame by frame and its animation, collective timings, the cost model
+on the emulated link. Their text tables are in :mod:`labs.tables`."""
 
 from __future__ import annotations
 
@@ -52,19 +51,28 @@ def plot_toy_allreduce(records: Sequence[ToyRankRecord]) -> Figure:
     return fig
 
 
-def plot_gradient_parity(
-    reference: dict[str, torch.Tensor], averaged: dict[str, torch.Tensor], title: str
-) -> Figure:
-    """Every gradient entry: full-batch reference (x) against the all-reduced average (y).
-    Points on the diagonal mean the two are equal."""
-    x = torch.cat([reference[n].reshape(-1) for n in reference]).numpy()
-    y = torch.cat([averaged[n].reshape(-1) for n in reference]).numpy()
-    fig, ax = plt.subplots(figsize=(4, 4), layout="constrained")
-    lo, hi = float(min(x.min(), y.min())), float(max(x.max(), y.max()))
-    ax.plot([lo, hi], [lo, hi], color="gray", lw=1, label="equal")
-    ax.scatter(x, y, s=6, alpha=0.6, color="tab:blue", label="gradient entries")
-    ax.set(xlabel="full-batch gradient (one process)", ylabel="all-reduced average (ranks)",
-           title=title)
+def plot_rounding(reference: dict[str, torch.Tensor], averaged: dict[str, torch.Tensor],
+                  title: str) -> Figure:
+    """Each gradient entry that differs: its size in the full-batch reference (x) against its
+    difference from the all-reduced average (y), both on log axes, with the lines of one and
+    ten float32 steps at that size. Entries with no difference (same bits) are counted in the
+    title: a log axis cannot show a zero."""
+    x = torch.cat([reference[n].reshape(-1) for n in reference]).abs()
+    d = torch.cat([(averaged[n] - reference[n]).reshape(-1) for n in reference]).abs()
+    differs = d > 0
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), layout="constrained")
+    ax.scatter(x[differs].numpy(), d[differs].numpy(), s=8, alpha=0.6, color="tab:blue",
+               label="an entry that differs")
+    sizes = np.logspace(math.log10(float(x[x > 0].min())), math.log10(float(x.max())), 50)
+    eps = float(torch.finfo(torch.float32).eps) / 2  # a step is 2^-24 of |x| at the least
+    for steps, style in ((1, "--"), (10, ":")):
+        ax.plot(sizes, steps * eps * sizes * 2, style, color="gray",
+                label=f"{steps} float32 step{'s' if steps > 1 else ''} (about)")
+    ax.set(xscale="log", yscale="log", xlabel="|full-batch gradient entry|",
+           ylabel="|averaged - full-batch|",
+           title=f"{title}: {int(differs.sum())} of {x.numel()} entries differ, "
+                 f"{int((~differs).sum())} have the same bits")
+    ax.title.set_fontsize("small")
     ax.legend(loc="upper left", fontsize="small")
     return fig
 
