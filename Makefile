@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The book build executes every notebook; fail on warnings, on a broken reference or a cell error.
 JB_FLAGS ?= -W -n --keep-going
 
-.PHONY: env book test test-slow test-latest test-gpu gpu-wheelhouse lock lint bench notebooks chapter clean
+.PHONY: env learner book test test-slow test-latest test-gpu gpu-wheelhouse lock lint bench notebooks chapter clean
 
 env: $(STAMP)
 
@@ -36,6 +36,13 @@ lock:
 	sed -i -E 's/^(torch==[0-9.]+)\+cpu$$/\1/' requirements.lock
 	rm -rf $(LOCK_VENV)
 
+# A learner's own copy of the chapters to run in JupyterLab: one .ipynb per chapter, outputs
+# kept, in $(LEARNER_DIR) (git-ignored), never overwriting a notebook the learner changed.
+# notebooks/ holds the references nbval compares; a learner's saves would rewrite them.
+LEARNER_DIR ?= my-notebooks
+learner: $(STAMP)
+	$(BIN)/python tools/learner_copy.py $(LEARNER_DIR)
+
 book: $(STAMP)
 	$(BIN)/jupyter-book build . $(JB_FLAGS)
 
@@ -48,12 +55,16 @@ WORKERS ?= 2
 STORED_CONFIG := _build/_config_stored.yml
 
 # The suite, run by the Python environment in $(1): `make test` gives it .venv, `make
-# test-latest` a throwaway one.
+# test-latest` a throwaway one. Jupyter Book reads a local extension's folder relative to the
+# config file, so the stored config, one folder down, names book/ext as ../book/ext.
 define run_suite
 	mkdir -p _build
-	sed 's/^  execute_notebooks: cache$$/  execute_notebooks: "off"/' _config.yml > $(STORED_CONFIG)
+	sed -e 's/^  execute_notebooks: cache$$/  execute_notebooks: "off"/' \
+	  -e 's|^\(    [a-z_]*\): book/ext$$|\1: ../book/ext|' _config.yml > $(STORED_CONFIG)
 	@grep -q 'execute_notebooks: "off"' $(STORED_CONFIG) || \
 	  { echo "Makefile: _config.yml no longer says 'execute_notebooks: cache'; update the test target"; exit 1; }
+	@grep -q ': \.\./book/ext$$' $(STORED_CONFIG) || \
+	  { echo "Makefile: _config.yml's local_extensions no longer name book/ext; update the test target"; exit 1; }
 	$(1)/jupyter-book build . --config $(STORED_CONFIG) $(JB_FLAGS)
 	$(1)/python -m pytest tests -q -n $(WORKERS) --dist worksteal -m "not slow" --durations=25
 	$(1)/python -m pytest --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider \

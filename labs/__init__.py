@@ -27,6 +27,8 @@ order:
 * :mod:`labs.cost_model` - chapter 2: the latency-bandwidth model and its closed forms on the
   emulated link (its fit on this machine is :mod:`labs.experiments.cost_fit`).
 * :mod:`labs.memory` - per-rank memory, measured from the tensors a rank holds.
+* :mod:`labs.claims` - a chapter's statement about a measurement, decided by the spread of
+  its repeats and shown as Markdown (every chapter; appendix A2 explains the rule).
 * :mod:`labs.ddp` - chapter 5: ``NaiveDDP`` and bucketed, overlapped ``DDP``; :mod:`labs.train`
   is the transformer training lab (``python -m labs ddp``).
 * :mod:`labs.zero` (ZeRO-1/2), :mod:`labs.fsdp` (ZeRO-3; beneath it :mod:`labs.fsdp_unit`,

@@ -16,7 +16,8 @@ statement. Typed into a chapter by hand it goes stale at the next execution; her
 A claim displays itself as Markdown (its sentence, then its margin: median, spread, repeats and
 threshold), which JupyterLab, Jupyter Notebook and the rendered book all show the same way.
 :func:`say` puts claims and numbers into one paragraph. Each display also carries the claims'
-names and outcomes as JSON (:data:`MIME_TYPE`), which tests read from the stored notebooks: a
+names and outcomes as JSON in its metadata (:data:`MIME_TYPE`), which tests read from the
+stored notebooks: a
 chapter whose text builds on a claim that came out otherwise fails there (``needs``).
 
 Timing claims are only as sure as their repeats: ``python -m labs.bench claims`` runs each
@@ -34,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The MIME type under which a display lists its claims (name, outcome, numbers).
+#: The key under which a display's metadata lists its claims (name, outcome, numbers).
 MIME_TYPE = "application/vnd.labs.claims+json"
 
 
@@ -185,7 +186,8 @@ class Claim:
     def margin(self) -> str:
         """How sure: the median, the spread of the repeats and the threshold it was held
         against, in words."""
-        e, unit = self.estimate, f" {self.estimate.unit}" if self.estimate.unit else ""
+        e = self.estimate
+        unit = e.unit if e.unit in ("", "x", "%") else f" {e.unit}"
         needs = f"the statement needs {self.side.value} {_g(self.threshold)}"
         if e.exact_value:
             return f"exactly {_g(e.median)}{unit}; {needs}"
@@ -206,7 +208,8 @@ class Claim:
                 "median": e.median, "low": e.low, "high": e.high, "repeats": e.repeats,
                 "unit": e.unit}
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
         return say("{claim}", claim=self)._repr_mimebundle_(include, exclude)
 
     def __format__(self, spec: str) -> str:
@@ -235,11 +238,14 @@ class Says:
     markdown: str
     claims: tuple[Claim, ...] = ()
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        bundle: dict[str, Any] = {"text/markdown": self.markdown, "text/plain": self.markdown}
-        if self.claims:
-            bundle[MIME_TYPE] = {"claims": [c.record() for c in self.claims]}
-        return bundle
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Markdown (and the same text as plain text); the claims go into the output's
+        metadata, which every front end and the book ignore, and the tests read."""
+        data = {"text/markdown": self.markdown, "text/plain": self.markdown}
+        metadata = {MIME_TYPE: {"claims": [c.record() for c in self.claims]}} if self.claims \
+            else {}
+        return data, metadata
 
     def __str__(self) -> str:
         return self.markdown
@@ -264,8 +270,8 @@ def stored_claims(outputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The claims recorded in a notebook cell's stored outputs (``cell["outputs"]``)."""
     found: list[dict[str, Any]] = []
     for output in outputs:
-        data = output.get("data", {})
-        if MIME_TYPE in data:
-            payload = data[MIME_TYPE]
+        metadata = output.get("metadata", {})
+        if MIME_TYPE in metadata:
+            payload = metadata[MIME_TYPE]
             found += (json.loads(payload) if isinstance(payload, str) else payload)["claims"]
     return found

@@ -20,6 +20,8 @@ Three uses of it live here:
   the link's port model, and :func:`crossover_on_link` the size at which two algorithms take
   equally long. Measured on real ranks, every time lands within a few per cent of these
   (chapter 2 and ``tests/test_link_model.py`` show it).
+* **When data parallelism pays** (chapter 5): :func:`crossover_batch`, the per-rank batch
+  above which N ranks train more samples per second than one.
 * **On a topology** (:class:`labs.Topology`, chapter 8): the flat ring against the
   hierarchical all-reduce, step by step (:func:`ring_step_times`, :func:`predict_on_topology`)
   and in bytes between nodes (:func:`bytes_across_nodes`).
@@ -336,6 +338,36 @@ def crossover_on_link(
                     high = middle
             return math.sqrt(low * high)
     return None
+
+
+# --- when data parallelism pays (chapter 5) ---------------------------------------------------
+
+
+def crossover_batch(alpha: float, bandwidth: float, model_bytes: float, world_size: int,
+                    per_sample_s: float, fixed_s: float) -> float:
+    """The per-rank batch b* above which N = ``world_size`` ranks of data parallelism train more
+    samples per second than one rank does, when the gradients' all-reduce starts after backward
+    (nothing overlaps it).
+
+    One rank's step computes for ``T1(b) = c b + f`` (c = ``per_sample_s``, f = ``fixed_s``).
+    N ranks, b samples each, add one ring all-reduce of S = ``model_bytes``:
+    ``R = 2(N-1)(alpha + S/(N bw))`` (chapter 2's lock-step ring). N ranks deliver N b / (T1 + R)
+    samples per second, one rank b / T1; N ranks are faster iff ``(N-1) T1 > R``, that is
+    ``T1 > R/(N-1) = 2 alpha + 2 S/(N bw)``: a rank's compute per step must outlast one
+    rank's share of the all-reduce. So ``b* = (2 alpha + 2 S/(N bw) - f) / c``, or 0 when the
+    fixed cost alone outlasts it. The scaling efficiency at b is ``T1 / (T1 + R)``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2 (one rank has nothing to overtake), "
+                         f"got {world_size!r}.")
+    for name, value in (("alpha", alpha), ("model_bytes", model_bytes), ("fixed_s", fixed_s)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    for name, value in (("bandwidth", bandwidth), ("per_sample_s", per_sample_s)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+    share = 2 * alpha + 2 * model_bytes / (world_size * bandwidth)
+    return max(0.0, (share - fixed_s) / per_sample_s)
 
 
 # --- on a topology: nodes joined by a slower link (chapter 8) ----------------------------------

@@ -7,7 +7,7 @@ chapters 1 and 2 with it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, Protocol
 
@@ -133,3 +133,28 @@ def agreement_table(rows: Sequence[_AgreementRow]) -> str:
         for r in rows
     ]
     return format_table(header, body)
+
+
+def by_algorithm_and_size(rows: Sequence[_TrafficRow] | Sequence[_AgreementRow],
+                          value: Callable[[object], object], corner: str = "algorithm") -> str:
+    """A matrix of ``rows``: one row per algorithm, one column per world size N, each cell
+    ``value(row)``; a table of every (N, algorithm) pair that fits on a screen."""
+    sizes = sorted({r.world_size for r in rows})
+    algorithms = list(dict.fromkeys(r.algorithm.value for r in rows))
+    cell = {(r.algorithm.value, r.world_size): value(r) for r in rows}
+    return format_table([corner, *(f"N = {n}" for n in sizes)],
+                        [[a, *(cell.get((a, n), "") for n in sizes)] for a in algorithms])
+
+
+def traffic_summary(rows: Sequence[_TrafficRow]) -> str:
+    """What the busiest rank sends (bytes as a multiple of S, then messages) per algorithm and
+    N, and whether every count, sent, received and the group's, equals its closed form."""
+    sent = by_algorithm_and_size(
+        rows, lambda r: _fraction_text(r.measured.sent), "bytes sent / S")  # type: ignore[attr-defined]
+    messages = by_algorithm_and_size(
+        rows, lambda r: r.measured.messages_sent, "messages sent")  # type: ignore[attr-defined]
+    wrong = [f"N = {r.world_size} {r.algorithm.value}" for r in rows if not r.matches]
+    verdict = (f"every count of the {len(rows)} cases equals its closed form (messages and "
+               f"bytes sent and received by the busiest rank, messages of the whole group)"
+               if not wrong else f"counts that differ from their closed form: {', '.join(wrong)}")
+    return f"{sent}\n\n{messages}\n\n{verdict}"

@@ -417,6 +417,28 @@ def test_ratio_pairs_each_call_with_the_torch_call_beside_it() -> None:
     assert sweep.launch_ratios(ring, [ring, lone]) is None
 
 
+def test_a_rows_ratio_is_the_ratio_of_the_medians_it_shows() -> None:
+    """The same calls as above: the row's time column shows the medians 8 and 5, so its
+    "busbw / torch" must say 0.62 (5 / 8), not the paired 1.25, which the reader cannot
+    derive from the row (chapter 4's panel showed 1285.6 us against torch's 1395.9 us beside
+    a ratio of 0.65)."""
+    ring = _pooled(Algorithm.RING, [(4.0, 4.0, 8.0, 8.0, 8.0)])
+    torch_ = _pooled(Algorithm.TORCH, [(5.0, 5.0, 5.0, 10.0, 10.0)])
+    assert sweep.median_ratio_to_torch(ring, [ring, torch_]) == 0.625
+    assert sweep.median_ratio_to_torch(torch_, [ring, torch_]) is None
+    assert sweep.median_ratio_to_torch(ring, [ring]) is None
+    rows = {line.split()[1]: line.split() for line in sweep.sweep_tables([ring, torch_])
+            .splitlines() if line.startswith("all-reduce ")}
+    assert float(rows["ring"][3]) / float(rows["torch"][3]) == 8.0 / 5.0
+    assert rows["ring"][-1] == "0.62" and rows["torch"][-1] == "-"
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [(15595.2e-6, "15600"), (708.14e-6, "708.1"),
+                                                (487.0e-6, "487"), (2.0e-6, "2")])
+def test_a_time_is_shown_to_four_significant_digits(seconds: float, shown: str) -> None:
+    assert sweep._four_digits(seconds * 1e6) == shown
+
+
 @given(launches=st.integers(2, 4), calls=st.integers(1, 6), data=st.data())
 @hypothesis_settings(max_examples=300, deadline=None)
 def test_pooled_ratio_lies_within_the_launch_range(launches: int, calls: int,

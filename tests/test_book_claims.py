@@ -1,7 +1,8 @@
 """The stored chapters say what their runs showed, and say it where a learner reads.
 
 A chapter's measured statements are :class:`labs.claims.Claim` objects; the cell that
-measures displays each as Markdown with its outcome recorded beside it (``labs.claims.MIME_TYPE``).
+measures displays each as Markdown with its outcome in the output's metadata
+(``labs.claims.MIME_TYPE``).
 This module reads the committed notebooks (what the book is rendered from) and fails when
 
 * a claim came out other than the chapter's text needs (its ``needs``): the text around it
@@ -32,8 +33,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 #: Chapters whose prose still uses myst-nb's glue roles (shown raw in JupyterLab).
 GLUE_CHAPTERS = {
-    "02_allreduce_algorithms", "03_reduce_scatter", "04_all_gather", "05_ddp", "06_zero_fsdp",
-    "07_fsdp_in_practice", "08_beyond_one_node", "09_when_it_goes_wrong", "A2_measuring",
+    "02_allreduce_algorithms", "06_zero_fsdp", "07_fsdp_in_practice", "08_beyond_one_node",
+    "09_when_it_goes_wrong",
 }
 
 CLAIM_NAME = re.compile(r"""["']((?:ch\d+|a\d+)\.[a-z0-9][a-z0-9-]*)["']""")
@@ -110,8 +111,8 @@ def test_the_book_shows_claims() -> None:
 def _code(source: str, *displays: Any) -> dict[str, Any]:
     outputs = []
     for shown in displays:
-        data = json.loads(json.dumps(shown._repr_mimebundle_()))
-        outputs.append({"output_type": "display_data", "data": data, "metadata": {}})
+        data, metadata = json.loads(json.dumps(shown._repr_mimebundle_()))
+        outputs.append({"output_type": "display_data", "data": data, "metadata": metadata})
     return {"cell_type": "code", "source": source, "outputs": outputs, "metadata": {}}
 
 
@@ -159,7 +160,7 @@ def test_checker_fails_a_paragraph_that_was_not_shown() -> None:
 
 def test_stored_claims_reads_json_kept_as_a_string() -> None:
     claim = _claim([0.5, 0.6, 0.55])
-    output = {"data": {MIME_TYPE: json.dumps({"claims": [claim.record()]})}}
+    output = {"metadata": {MIME_TYPE: json.dumps({"claims": [claim.record()]})}}
     assert stored_claims([output])[0]["name"] == claim.name
 
 

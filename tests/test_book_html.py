@@ -5,7 +5,9 @@
 * static checks on every built page, no browser needed: no error or stderr output in a cell
   (also inside the saved state of an ``Output`` widget), every ``<img>`` resolves to a
   non-empty file, every relative link resolves to a file and every ``#anchor`` to an id,
-  and nothing (script, stylesheet, image, font, iframe) is loaded from the network;
+  nothing (script, stylesheet, image, font, iframe) is loaded from the network, every
+  ``url()`` of a linked stylesheet and every file the widget bundle's CSS names is shipped,
+  and the search has every page's text for its excerpts;
 * on every chapter page, each exercise's solution follows its ``Exercise N.M`` heading folded
   in a ``<details>`` dropdown whose ``<summary>`` says "Show solution";
 * browser checks on the intro and chapter pages in headless Debian ``chromium`` with every
@@ -13,6 +15,14 @@
   embedded widget view is rendered (``.jupyter-widgets`` elements, e.g. ``.widget-button``),
   every math element holds an ``mjx-container`` and no MathJax error, and the console shows
   no uncaught error and no attempt to load a widget module from a CDN.
+
+* the book as a reader sees it, in chromium driven through the DevTools protocol
+  (``tests/chromium_pipe.py``), on every chapter page: nothing is cut at the column's edge (a
+  wide table or figure, in a recorded panel too, fits or scrolls in its own box), no request
+  fails and every ``url()`` of every loaded stylesheet names a file (the widget bundle's
+  fonts), and the controls that need a kernel are disabled with a note while a recorded
+  panel's ToggleButtons still switch runs (clicked); the offline search shows an excerpt
+  under every hit.
 
 The browser checks skip where chromium is missing. To look at a page yourself::
 
@@ -25,20 +35,24 @@ so each check is shown to fail when it should.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from typing import Any
+from urllib.parse import unquote, urljoin, urlsplit
 
 import pytest
-from book_pages import CHAPTER_PAGES
+from book_pages import CHAPTER_FIRST_PAGES, CHAPTER_PAGES
+from chromium_pipe import Chromium, ChromiumError, Page
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML_ROOT = ROOT / "_build" / "html"
@@ -50,7 +64,7 @@ INTRO = "book/intro.html"
 # 3 and 4 refer back to its ring trace instead of animating their own).
 ANIMATED = [CHAPTER_PAGES[1]]
 # Chapter 3 on (from _toc.yml): widget panels, Gantt charts, memory plots and tables.
-WIDGET_PAGES = CHAPTER_PAGES[2:]
+WIDGET_PAGES = [p for p in CHAPTER_PAGES[2:] if p in CHAPTER_FIRST_PAGES]
 BROWSER_PAGES = [INTRO, CHAPTER, *ANIMATED, *WIDGET_PAGES]
 # matplotlib's to_jshtml player: an <img> with this id prefix and no src until its script runs.
 ANIMATION_FRAME_ID = "_anim_img"
@@ -86,7 +100,17 @@ NO_FETCH_RELS = {"canonical", "alternate", "author", "license", "help", "next", 
 # Another host (http, https, protocol-relative) or an absolute path on the build machine.
 EXTERNAL = re.compile(r"^\s*((https?:)?//|file:)", re.IGNORECASE)
 CSS_URL = re.compile(r"""url\(\s*['"]?\s*((?:https?:)?//[^'")\s]+)""", re.IGNORECASE)
+CSS_ANY_URL = re.compile(r"""url\(\s*(['"]?)([^'")]+)\1\s*\)""", re.IGNORECASE)
 NON_FILE_SCHEMES = ("mailto:", "data:", "javascript:", "tel:")
+# What book/static/js/static-book-controls.js writes beside a control that needs a kernel.
+KERNEL_NOTE = "runs in a Jupyter kernel; open the notebook to use it"
+# A chapter whose recorded panel has a slider, a checkbox and a Run button beside its toggles.
+INTERACTIVE = "notebooks/05_ddp.html"
+# Offline search (book/ext/offline_search.py): a word the chapters use, the file holding the
+# pages' text, and the scripts the search page must load for excerpts.
+SEARCH_WORD = "allreduce"
+SEARCH_PAGES_FILE = "search-pages.js"
+SEARCH_PAGE_SCRIPTS = (SEARCH_PAGES_FILE, "offline-search.js")
 # Console lines that mean a script broke or a widget module was fetched from elsewhere.
 CONSOLE_PROBLEMS = re.compile(
     r"Uncaught|Falling back to|Script error for|Could not create a view|Could not load module"
@@ -342,6 +366,64 @@ def broken_links(
     return problems
 
 
+def css_urls(css_text: str, base_url: str) -> list[str]:
+    """Every ``url()`` of a stylesheet (comments dropped), made absolute against ``base_url``
+    (the sheet's own URL, or its page's for a ``<style>``); ``url(#id)`` (an SVG reference)
+    and ``data:`` URIs name no file and are left out."""
+    text = re.sub(r"/\*.*?\*/", "", css_text, flags=re.DOTALL)
+    found = []
+    for quoted in CSS_ANY_URL.findall(text):
+        url = quoted[1].strip()
+        if url and not url.startswith("#") and not url.lower().startswith("data:"):
+            found.append(urljoin(base_url, url))
+    return found
+
+
+def missing_files(urls: Iterable[str], html_root: Path) -> list[str]:
+    """The ``file:`` URLs that name no file of the book (a font or an image that would 404),
+    and every URL that is not a file of the book at all."""
+    problems = []
+    root = html_root.resolve()
+    for url in dict.fromkeys(urls):
+        parts = urlsplit(url)
+        if parts.scheme != "file":
+            problems.append(f"{url}: not a file of the book")
+            continue
+        path = Path(unquote(parts.path)).resolve()
+        if not path.is_relative_to(root):
+            problems.append(f"{url}: outside _build/html")
+        elif not path.is_file():
+            problems.append(f"{url}: no such file")
+    return problems
+
+
+def widget_bundle_assets(bundle_js: str) -> list[str]:
+    """The files the widget bundle's CSS names (webpack writes each as ``publicPath + name``,
+    ``n.p+"1551f4f60c37af51121f.woff2"``): they must sit beside the bundle."""
+    return sorted(set(re.findall(r"""\b[A-Za-z_$]\.p\s*\+\s*["']([\w.-]+\.\w+)["']""",
+                                 bundle_js)))
+
+
+def search_excerpt_sources(html_root: Path) -> list[str]:
+    """What the search page needs to show an excerpt offline: every page of the search index
+    has its text in ``_static/search-pages.js`` (book/ext/offline_search.py), and the search
+    page loads that file and the script that reads it."""
+    index = (html_root / "searchindex.js").read_text("utf-8")
+    docnames = json.loads(index[index.index("(") + 1:index.rindex(")")])["docnames"]
+    pages_js = html_root / "_static" / SEARCH_PAGES_FILE
+    if not pages_js.is_file():
+        return [f"_static/{SEARCH_PAGES_FILE} is missing: no page's text for excerpts offline"]
+    pages_text = pages_js.read_text("utf-8")
+    pages = json.loads(pages_text[pages_text.index("{"):pages_text.rindex("}") + 1])
+    problems = [f"{name}: no text in _static/{SEARCH_PAGES_FILE}" for name in docnames
+                if len(re.sub(r"<[^>]+>", "", pages.get(name, "")).strip()) < 20]
+    search_page = parse_html((html_root / "search.html").read_text("utf-8"))
+    loaded = [el.attrs["src"].split("?")[0].rsplit("/", 1)[-1] for el in search_page
+              if el.tag == "script" and "src" in el.attrs]
+    problems += [f"search.html does not load {name}" for name in SEARCH_PAGE_SCRIPTS
+                 if name not in loaded]
+    return problems
+
 def exercise_headings(elements: list[Element]) -> list[tuple[str, Element]]:
     """(``"N.M"``, heading element) for every ``Exercise N.M`` heading, in page order."""
     found = []
@@ -471,6 +553,167 @@ def render_in_chromium(page: Path, budget_ms: int = 10_000) -> tuple[str, str]:
     return done.stdout, done.stderr
 
 
+# The reader's view of a page, measured in chromium through the DevTools protocol
+# (tests/chromium_pipe.py): what is cut at the column's edge, which controls look live, what
+# failed to load, and the search page's hits.
+
+#: Every element of the article that is laid out as a box (inline text and the insides of an
+#: SVG are skipped) must fit the column, or sit in a scroll container that can scroll to it and
+#: whose scrollbar is right under it (within UNDER px): a container that scrolls a whole panel
+#: as one, its scrollbar under the figure, hides the table's right half above it.
+CUT_CONTENT_JS = r"""
+(() => {
+  const article = document.querySelector('article.bd-article')
+    || document.querySelector('[role="main"]') || document.body;
+  const TOL = 1, UNDER = 24;
+  const REPLACED = new Set(['img', 'svg', 'video', 'canvas', 'iframe', 'object', 'embed',
+                            'input', 'select', 'textarea', 'button']);
+  const describe = (el) => {
+    let s = el.tagName.toLowerCase() + (el.id ? '#' + el.id : '');
+    const cls = (typeof el.className === 'string' ? el.className : '').trim().split(/\s+/)
+      .filter(Boolean).slice(0, 3);
+    if (cls.length) s += '.' + cls.join('.');
+    const panel = el.closest('.labs-recorded-panel');
+    return panel && panel !== el ? s + ' (in a recorded panel)' : s;
+  };
+  const flagged = new Set(), problems = [];
+  for (const el of article.querySelectorAll('*')) {
+    const tag = el.tagName.toLowerCase();
+    if ((el.closest('svg') && tag !== 'svg') || el.closest('mjx-assistive-mml')) continue;
+    const cs = getComputedStyle(el);  // (mjx-assistive-mml: MathJax's hidden screen-reader text)
+    if ((cs.display === 'inline' || cs.display === 'contents') && !REPLACED.has(tag)) continue;
+    if (cs.visibility === 'hidden' || cs.position === 'fixed') continue;
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.height === 0) continue;
+    for (let node = el.parentElement; node; node = node.parentElement) {
+      const ox = getComputedStyle(node).overflowX, nr = node.getBoundingClientRect();
+      const left = nr.left + node.clientLeft, right = left + node.clientWidth;
+      const fits = r.left >= left - TOL && r.right <= right + TOL;
+      const scrolls = ox === 'auto' || ox === 'scroll', clips = ox === 'hidden' || ox === 'clip';
+      if (!scrolls && !clips && node !== article) continue;
+      if (fits) break;
+      const size = `${Math.round(r.width)} px wide in ${node.clientWidth} px`;
+      let verdict;
+      if (clips) verdict = `cut at the edge of ${describe(node)} (overflow-x: ${ox}), ${size}`;
+      else if (!scrolls) verdict = `sticks out of the article column, ${size}`;
+      else if (r.left < left - node.scrollLeft - TOL
+               || r.right > left - node.scrollLeft + node.scrollWidth + TOL)
+        verdict = `cut: ${describe(node)} cannot scroll to it`;
+      else if (nr.bottom - r.bottom > UNDER)
+        verdict = `${size}, scrolled only with all of ${describe(node)}, whose scrollbar is `
+          + `${Math.round(nr.bottom - r.bottom)} px below it`;
+      if (verdict && !flagged.has(el.parentElement)) problems.push(`${describe(el)}: ${verdict}`);
+      if (verdict) flagged.add(el);
+      break;
+    }
+  }
+  return problems;
+})()
+"""
+
+#: Every control of every widget drawn on the page (outputs excluded), grouped by the widget
+#: area the embed script drew it in, and how many visible KERNEL_NOTE notes each area shows.
+WIDGET_CONTROLS_JS = r"""
+(() => [...document.querySelectorAll('.widget-subarea')].map(area => ({
+  controls: [...area.querySelectorAll(
+      'button, input, select, textarea, .noUi-target, [contenteditable]')]
+    .filter(el => !el.closest('.jp-OutputArea'))
+    .map(el => ({
+      kind: el.matches('.noUi-target') ? 'slider'
+        : el.matches('[contenteditable]') ? 'slider readout'
+        : el.matches('.widget-toggle-button') ? 'toggle button'
+        : el.type === 'checkbox' ? 'checkbox' : el.tagName.toLowerCase(),
+      label: (el.textContent || el.getAttribute('aria-label') || '').trim().slice(0, 60),
+      operable: el.matches('.noUi-target') ? !el.hasAttribute('disabled')
+        : el.matches('[contenteditable]') ? el.isContentEditable : !el.disabled,
+      recorded_toggle: !!el.closest('.labs-recorded-panel > .widget-toggle-buttons'),
+    })),
+  notes: [...area.querySelectorAll('*')].filter(el => el.children.length === 0
+      && el.textContent.includes(KERNEL_NOTE) && el.getClientRects().length > 0
+      && getComputedStyle(el).visibility === 'visible').length,
+})))()
+"""
+
+#: The search page's hits once it has finished: each hit's title and excerpt (Sphinx adds a
+#: ``p.context`` to a hit when it could read the hit's page).
+SEARCH_HITS_JS = r"""
+[...document.querySelectorAll('#search-results ul.search > li')].map(li => ({
+  title: (li.querySelector('a') || li).textContent.trim(),
+  excerpt: ((li.querySelector('p.context') || {}).textContent || '').trim(),
+}))
+"""
+SEARCH_FINISHED_JS = ("(document.querySelector('#search-results h2') || {}).textContent"
+                      " === 'Search Results'")
+#: The widget views drawn (each view's script has a ``div.widget-subarea`` filled before it).
+WIDGETS_DRAWN_JS = (
+    "[...document.querySelectorAll('.widget-subarea')].filter(a => a.querySelector("
+    "'.jupyter-widgets, .jupyter-widgets-disconnected')).length >= document.querySelectorAll("
+    f"'script[type=\"{WIDGET_VIEW_MIME}\"]').length")
+#: MathJax has typeset the page (or the page has none), then two frames for the last layout.
+SETTLED_JS = ("(async () => { if (window.MathJax && MathJax.startup) await MathJax.startup."
+              "promise; await new Promise(r => requestAnimationFrame(() => "
+              "requestAnimationFrame(r))); return true; })()")
+
+
+@dataclass(frozen=True)
+class ReaderView:
+    """What chromium made of a page once its widgets and math were drawn."""
+
+    cut: list[str]  # CUT_CONTENT_JS
+    widget_areas: list[dict[str, Any]]  # WIDGET_CONTROLS_JS
+    failed_loads: list[tuple[str, str]]  # (URL, reason) of every request that failed
+    stylesheet_urls: list[str]  # every url() of every stylesheet the page loaded
+
+
+def open_rendered(browser: Chromium, url: str) -> Page:
+    """A tab with ``url`` loaded, its widgets drawn and its math typeset."""
+    page = browser.open(url)
+    page.wait_for("document.readyState === 'complete'")
+    page.wait_for(WIDGETS_DRAWN_JS)
+    page.evaluate(SETTLED_JS)
+    return page
+
+
+def reader_view(browser: Chromium, path: Path) -> ReaderView:
+    page = open_rendered(browser, path.as_uri())
+    try:
+        controls = page.evaluate(WIDGET_CONTROLS_JS.replace(
+            "KERNEL_NOTE", json.dumps(KERNEL_NOTE)))
+        urls = [u for base, text in page.stylesheets() for u in css_urls(text, base)]
+        return ReaderView(page.evaluate(CUT_CONTENT_JS), controls, page.failed_requests, urls)
+    finally:
+        page.close()
+
+
+def kernel_controls_problems(areas: list[dict[str, Any]]) -> list[str]:
+    """In the book, a recorded panel's ToggleButtons switch runs (a jslink in the page) and must
+    work; every other control needs a kernel, so it must be disabled, and each widget holding
+    one must show KERNEL_NOTE."""
+    problems = []
+    for i, area in enumerate(areas, 1):
+        kernel_only = 0
+        for control in area["controls"]:
+            name = f"{control['kind']} {control['label']!r}"
+            if control["recorded_toggle"]:
+                if not control["operable"]:
+                    problems.append(f"widget {i}: the recorded panel's {name} is disabled, "
+                                    "but it switches between recorded runs in the page")
+                continue
+            kernel_only += 1
+            if control["operable"]:
+                problems.append(f"widget {i}: {name} looks live, but it needs a kernel")
+        if kernel_only and not area["notes"]:
+            problems.append(f"widget {i}: {kernel_only} control(s) that need a kernel, and no "
+                            f"visible note {KERNEL_NOTE!r}")
+    return problems
+
+
+def search_hit_problems(hits: list[dict[str, str]]) -> list[str]:
+    """A search must find something, and every hit must show an excerpt, not its title alone."""
+    if not hits:
+        return ["the search found nothing"]
+    return [f"hit {hit['title']!r} shows no excerpt" for hit in hits if not hit["excerpt"]]
+
 # --------------------------------------------------------------------------- book tests
 
 
@@ -537,8 +780,10 @@ def test_solutions_fold_into_show_solution_dropdowns(html_root: Path) -> None:
     problems = {}
     for page in chapters:
         elements = parse_html(page.read_text("utf-8"))
-        # every chapter ends with exercises: a page without one would pass vacuously
-        found = [] if exercise_headings(elements) else ["no 'Exercise N.M' heading on the page"]
+        # every chapter's first page ends with exercises: one without would pass vacuously
+        first = str(page.relative_to(html_root)) in CHAPTER_FIRST_PAGES
+        found = ([] if exercise_headings(elements) or not first
+                 else ["no 'Exercise N.M' heading on the page"])
         problems[str(page.relative_to(html_root))] = found + solution_dropdowns(elements)
     _fail_on(problems)
 
@@ -604,6 +849,114 @@ def test_page_renders_offline(html_root: Path, chromium: str, page: str) -> None
             "an animation player did not load its first frame")
         assert any("jupyter-widgets" in el.classes for el in rendered), "no widget rendered"
 
+
+def test_stylesheets_resolve(html_root: Path) -> None:
+    """Every url() of every stylesheet a page links to names a file of the book (a missing
+    font is a blank icon and a failed request on every page)."""
+    sheets: set[Path] = set()
+    for page in built_pages(html_root):
+        for el in parse_html(page.read_text("utf-8")):
+            if el.tag == "link" and "stylesheet" in el.attrs.get("rel", "").split():
+                target = _local_target(el.attrs.get("href", ""), page, html_root)
+                if target is not None and target[0] is not None:
+                    sheets.add(target[0])
+    assert sheets, "no page links a local stylesheet"
+    problems = {str(css.relative_to(html_root)):
+                missing_files(css_urls(css.read_text("utf-8", errors="replace"), css.as_uri()),
+                              html_root)
+                for css in sorted(sheets) if css.is_file()}
+    _fail_on(problems)
+
+
+def test_widget_bundle_ships_its_fonts(html_root: Path) -> None:
+    """The widget bundle's CSS (which it adds to the page itself) names its Font Awesome
+    files; they sit beside it (js/widgets-asset-path.js points the bundle there)."""
+    bundle = html_root / "_static" / "vendor" / "html-manager" / "embed-amd.js"
+    assets = widget_bundle_assets(bundle.read_text("utf-8"))
+    assert assets, "found no asset names in embed-amd.js: has the bundle's format changed?"
+    missing = [name for name in assets if not (bundle.parent / name).is_file()]
+    assert not missing, (f"{len(missing)} of the {len(assets)} files the widget bundle's CSS "
+                         f"names are not in _static/vendor/html-manager/: {missing}")
+
+
+def test_search_has_each_pages_text_for_excerpts(html_root: Path) -> None:
+    _fail_on({"search": search_excerpt_sources(html_root)})
+
+
+@pytest.fixture(scope="module")
+def devtools(chromium: str) -> Iterator[Chromium]:
+    with Chromium(chromium) as browser:
+        yield browser
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("page", CHAPTER_PAGES)
+def test_chapter_as_a_reader_sees_it(devtools: Chromium, html_root: Path, page: str) -> None:
+    """One visit per chapter (the browser's time is the cost), three checks:
+
+    * nothing is cut at the column's edge: no table, figure or widget output, in a recorded
+      panel or not; each fits, or scrolls in a box whose scrollbar is right under it;
+    * no request fails (the widget bundle's fonts among them), and every url() of every
+      stylesheet the page loaded, the CSS the widget bundle adds too, names a file;
+    * the controls that need a kernel are disabled, with a note, and a recorded panel's
+      ToggleButtons are not.
+    """
+    view = reader_view(devtools, html_root / page)
+    controls = [c for area in view.widget_areas for c in area["controls"]]
+    if page in CHAPTER_FIRST_PAGES:  # a chapter's panel is on its first page
+        assert any(c["recorded_toggle"] for c in controls), f"{page}: no recorded panel drawn"
+    _fail_on({
+        f"{page}, cut": view.cut,
+        f"{page}, loads": [f"{url}: {reason}" for url, reason in view.failed_loads]
+        + missing_files(view.stylesheet_urls, html_root),
+        f"{page}, controls": kernel_controls_problems(view.widget_areas),
+    })
+
+
+@pytest.mark.browser
+def test_recorded_toggles_switch_while_kernel_controls_do_nothing(
+        html_root: Path, devtools: Chromium) -> None:
+    """A reader's clicks: a recorded panel's ToggleButton shows another run; the checkbox, the
+    slider and the Run button beside it change nothing."""
+    page = open_rendered(devtools, (html_root / INTERACTIVE).as_uri())
+    try:
+        panel = ".labs-recorded-panel"
+        shown = f"document.querySelector('{panel}').innerText"
+        for needed in ("input[type=checkbox]", ".noUi-handle", "button.widget-button"):
+            assert page.evaluate(f"!!document.querySelector('{panel} {needed}')"), (
+                f"{INTERACTIVE}'s panel has no {needed}: pick another page for INTERACTIVE")
+        before = page.evaluate(shown)
+        # the first option of the panel's first control that is not selected now
+        page.click(f"{panel} > .widget-toggle-buttons button.widget-toggle-button"
+                   ":not(.mod-active)")
+        page.wait_for(f"{shown} !== {json.dumps(before)}", timeout_s=10)
+        after = page.evaluate(shown)
+        checked = f"document.querySelector('{panel} input[type=checkbox]').checked"
+        value = (f"document.querySelector('{panel} .noUi-handle')"
+                 ".getAttribute('aria-valuenow')")
+        was = page.evaluate(f"[{checked}, {value}]")
+        page.click(f"{panel} input[type=checkbox]")
+        page.drag(f"{panel} .noUi-handle", dx=150)
+        page.click(f"{panel} button.widget-button")
+        page.evaluate(SETTLED_JS)
+        assert page.evaluate(f"[{checked}, {value}]") == was, (
+            "a click or a drag changed a control that needs a kernel")
+        assert page.evaluate(shown) == after, "a control that needs a kernel changed the panel"
+    finally:
+        page.close()
+
+
+@pytest.mark.browser
+def test_search_shows_excerpts_offline(html_root: Path, devtools: Chromium) -> None:
+    page = devtools.open((html_root / "search.html").as_uri() + f"?q={SEARCH_WORD}")
+    try:
+        page.wait_for(SEARCH_FINISHED_JS, timeout_s=30)
+        with contextlib.suppress(ChromiumError):  # hits without excerpts: reported below
+            page.wait_for(f"{SEARCH_HITS_JS}.every(h => h.excerpt)", timeout_s=5)
+        hits = page.evaluate(SEARCH_HITS_JS)
+    finally:
+        page.close()
+    _fail_on({f"search.html?q={SEARCH_WORD}": search_hit_problems(hits)})
 
 # --------------------------------------------------------------------------- checker tests
 # Each checker on a clean page and on a page with exactly one defect of its kind.
@@ -754,3 +1107,151 @@ def test_solution_dropdowns_catches_unfolded_mislabelled_and_misplaced_solutions
         "<details><summary>Show solution</summary></details>" + heading + solution(None),
     ):
         assert solution_dropdowns(parse_html(bad)), bad
+
+
+def test_css_urls_resolve_against_the_sheet_and_missing_files_are_found(tmp_path: Path) -> None:
+    (tmp_path / "_static" / "fonts").mkdir(parents=True)
+    (tmp_path / "_static" / "fonts" / "a.woff2").write_bytes(b"wOF2")
+    css = tmp_path / "_static" / "theme.css"
+    text = ("/* url(commented-out.woff) */ @font-face { src: url('fonts/a.woff2?v=1#x') "
+            'format("woff2"), url(fonts/gone.ttf); } .i { background: url("data:image/png;'
+            'base64,AAAA") } .m { mask: url(#grad) }')
+    urls = css_urls(text, css.as_uri())
+    assert urls == [(tmp_path / "_static/fonts/a.woff2").as_uri() + "?v=1#x",
+                    (tmp_path / "_static/fonts/gone.ttf").as_uri()]
+    assert missing_files(urls[:1], tmp_path) == []
+    for bad in (urls[1], (tmp_path.parent / "elsewhere.woff").as_uri(),
+                "https://fonts.gstatic.com/a.woff2"):
+        assert missing_files([bad], tmp_path), bad
+
+
+def test_widget_bundle_assets_reads_webpacks_asset_names() -> None:
+    bundle = ('5890:(e,t,n)=>{"use strict";e.exports=n.p+"1551f4f60c37af51121f.woff2"},'
+              '9465:(e,t,o)=>{"use strict";e.exports=o.p+"2f517e09eb2ca6650ff5.svg"},'
+              'x.p="";n.p=`${s.origin}${s.pathname}`')
+    assert widget_bundle_assets(bundle) == ["1551f4f60c37af51121f.woff2",
+                                            "2f517e09eb2ca6650ff5.svg"]
+
+
+def test_search_excerpt_sources_catches_a_missing_page_text_or_script(tmp_path: Path) -> None:
+    (tmp_path / "_static").mkdir()
+    index = {"docnames": ["book/intro", "notebooks/01_toy"], "titles": ["Intro", "Toy"]}
+    (tmp_path / "searchindex.js").write_text(f"Search.setIndex({json.dumps(index)})")
+    text = '<div role="main"><div id="s">Four ranks average one gradient.</div></div>'
+
+    def build(pages: dict[str, str], scripts: Iterable[str]) -> list[str]:
+        (tmp_path / "_static" / SEARCH_PAGES_FILE).write_text(
+            f"window.LABS_SEARCH_PAGES = {json.dumps(pages)};")
+        (tmp_path / "search.html").write_text("".join(
+            f'<script src="_static/{s}?v=1"></script>' for s in scripts))
+        return search_excerpt_sources(tmp_path)
+
+    scripts = ("searchtools.js", SEARCH_PAGES_FILE, "js/offline-search.js")
+    assert build(dict.fromkeys(index["docnames"], text), scripts) == []
+    assert build({"book/intro": text}, scripts)  # a page without its text
+    assert build({"book/intro": text, "notebooks/01_toy": '<div role="main"></div>'}, scripts)
+    assert build(dict.fromkeys(index["docnames"], text), scripts[:2])  # no reader script
+    (tmp_path / "_static" / SEARCH_PAGES_FILE).unlink()
+    assert search_excerpt_sources(tmp_path)
+
+
+def test_kernel_controls_problems_catches_live_controls_and_a_missing_note() -> None:
+    def control(kind: str, operable: bool, toggle: bool = False) -> dict[str, Any]:
+        return {"kind": kind, "label": "Run on real ranks" if kind == "button" else "",
+                "operable": operable, "recorded_toggle": toggle}
+
+    toggles = [control("toggle button", True, toggle=True)] * 2
+    off = [control("button", False), control("slider", False), control("checkbox", False)]
+    assert kernel_controls_problems([{"controls": toggles + off, "notes": 1}]) == []
+    assert kernel_controls_problems([{"controls": toggles, "notes": 0}]) == []
+    for bad in (
+        [{"controls": toggles + [control("button", True)], "notes": 1}],  # a live Run button
+        [{"controls": toggles + [control("slider", True)] + off[:1], "notes": 1}],
+        [{"controls": toggles + off, "notes": 0}],  # disabled, but nothing says why
+        [{"controls": [control("toggle button", False, toggle=True)], "notes": 0}],
+    ):
+        assert kernel_controls_problems(bad), bad
+
+
+def test_search_hit_problems_wants_an_excerpt_for_every_hit() -> None:
+    hit = {"title": "2. All-reduce algorithms", "excerpt": "...the ring allreduce sends..."}
+    assert search_hit_problems([hit]) == []
+    assert search_hit_problems([])
+    assert search_hit_problems([hit, {"title": "5. DDP", "excerpt": ""}])
+
+
+@pytest.mark.browser
+def test_cut_content_catches_clipped_protruding_and_far_scrolled_boxes(
+        tmp_path: Path, devtools: Chromium) -> None:
+    wide = '<div style="width: 900px; height: 40px">a table of 900 px</div>'
+    figure = '<div style="height: 300px">a figure under it</div>'
+    good = (f'<div style="overflow-x: auto">{wide}</div>'  # its scrollbar right under it
+            '<pre style="overflow-x: auto">' + "a long line " * 100 + "</pre>"
+            '<img style="max-width: 100%" src="data:image/svg+xml,<svg xmlns=\'http://www.w3.org'
+            '/2000/svg\' width=\'2000\' height=\'10\'/>">'
+            '<div style="overflow: hidden"><div style="width: 100px">fits</div></div>')
+    bad = {
+        "clipped": f'<div style="overflow: hidden">{wide}</div>',
+        "protruding": wide,
+        "scrolled with the figure": f'<div style="overflow-x: auto">{wide}{figure}</div>',
+    }
+
+    def cut(body: str) -> list[str]:
+        page = tmp_path / "page.html"
+        page.write_text(f'<!doctype html><html><body style="margin: 0"><article '
+                        f'class="bd-article" style="width: 400px">{body}</article></body></html>')
+        opened = open_rendered(devtools, page.as_uri())
+        try:
+            return opened.evaluate(CUT_CONTENT_JS)
+        finally:
+            opened.close()
+
+    assert cut(good) == []
+    for name, body in bad.items():
+        assert cut(body), name
+
+
+@pytest.mark.browser
+def test_reader_view_catches_failed_loads_missing_fonts_and_live_controls(
+        tmp_path: Path, devtools: Chromium) -> None:
+    (tmp_path / "there.png").write_bytes(b"\x89PNG not really")
+    panel = ('<div class="widget-subarea"><div class="labs-recorded-panel">'
+             '<div class="widget-toggle-buttons"><button class="widget-toggle-button">2</button>'
+             '</div><div class="widget-hbox"><input type="checkbox"><button>Run on real ranks'
+             "</button></div></div></div>")
+    page = tmp_path / "page.html"
+    page.write_text(
+        "<!doctype html><html><head><style>@font-face { font-family: gone; src: "
+        "url(fonts/gone.woff2) } body { font-family: gone }</style></head><body>"
+        f'<article class="bd-article"><img src="there.png"><p>text</p>{panel}</article>'
+        "</body></html>")
+    view = reader_view(devtools, page)
+    assert [url for url, _ in view.failed_loads] == [(tmp_path / "fonts/gone.woff2").as_uri()]
+    assert missing_files(view.stylesheet_urls, tmp_path) == [
+        f"{(tmp_path / 'fonts/gone.woff2').as_uri()}: no such file"]
+    problems = kernel_controls_problems(view.widget_areas)
+    assert len(problems) == 3, problems  # a live checkbox, a live button, no note
+    page.write_text(page.read_text().replace('<img src="there.png">', '<img src="gone.png">')
+                    .replace("<input ", "<input disabled ").replace("<button>", "<button disabled>")
+                    .replace("</button></div></div>", f"</button><span>{KERNEL_NOTE}</span>"
+                             "</div></div>"))
+    view = reader_view(devtools, page)
+    assert (tmp_path / "gone.png").as_uri() in [url for url, _ in view.failed_loads]
+    assert kernel_controls_problems(view.widget_areas) == []
+
+
+def test_offline_search_keeps_the_articles_text_and_section_ids() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "offline_search", ROOT / "book" / "ext" / "offline_search.py")
+    assert spec is not None and spec.loader is not None
+    offline_search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(offline_search)
+    page = ('<html><body><nav>Chapters</nav><main role="main"><article class="bd-article">'
+            '<section id="the-ring"><h2>The ring<a class="headerlink" href="#the-ring">#</a>'
+            "</h2><p>Each rank sends <code>2(N-1)/N</code> &amp; more.<br></p>"
+            '<script type="application/vnd.jupyter.widget-state+json">{"state": 1}</script>'
+            '<section id="cost"><p>Latency</p></section></section></article>'
+            "<footer>Next</footer></main></body></html>")
+    assert offline_search.article_html(page) == (
+        '<div role="main"><div id="the-ring">The ring Each rank sends 2(N-1)/N &amp; more. '
+        '<div id="cost">Latency </div></div></div>')

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from book_pages import CHAPTER_PAGES
+from book_pages import CHAPTER_FIRST_PAGES, CHAPTER_PAGES
 
 from labs.experiments.recipe import RecipeConfig, memory_budget
 from labs.experiments.zero import Recipe, bytes_per_parameter
@@ -42,8 +42,9 @@ CHROMIUM = "/usr/bin/chromium"
 STATE_MIME = "application/vnd.jupyter.widget-state+json"
 VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 PANEL_CLASS = "labs-recorded-panel"
-#: Each chapter page (from _toc.yml) and the number of recorded panels it must hold: one each.
-PANEL_PAGES = dict.fromkeys(CHAPTER_PAGES, 1)
+#: Each chapter page (from _toc.yml) and the number of recorded panels it must hold: one on a
+#: chapter's first page, none on its later pages.
+PANEL_PAGES = {page: int(page in CHAPTER_FIRST_PAGES) for page in CHAPTER_PAGES}
 ZERO_PAGE = "notebooks/06_zero_fsdp.html"
 BUDGET_PAGE = "notebooks/07_fsdp_in_practice.html"
 RENDER_TIMEOUT_MS = 60_000
@@ -289,7 +290,7 @@ FAST_PANEL_PAGES = ("notebooks/02_allreduce_algorithms.html",)  # make test's bu
 @pytest.mark.browser
 @pytest.mark.parametrize("page", [p if p in FAST_PANEL_PAGES
                                   else pytest.param(p, marks=pytest.mark.slow)
-                                  for p in sorted(PANEL_PAGES)])
+                                  for p in sorted(PANEL_PAGES) if PANEL_PAGES[p]])
 def test_recorded_panels_switch_in_the_browser(open_page: Any, page: str) -> None:
     path = _built(page)
     html_text = path.read_text("utf-8")

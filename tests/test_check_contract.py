@@ -60,8 +60,8 @@ HANG_S = 3
 
 
 def takes_world_sizes(row: ExerciseSpec) -> bool:
-    """Whether the row's check runs on world sizes (7.2's, 7.3's and 9.1's call a pure function
-    in a thread, on ranks of their own)."""
+    """Whether the row's check runs on world sizes (5.3's, 7.2's, 7.3's and 9.1's call a pure
+    function in a thread, on ranks of their own)."""
     return "world_sizes" in inspect.signature(row.check_function()).parameters
 
 
@@ -252,7 +252,7 @@ class DeadlockedWrapper:
 
 
 def never_returns(*args):
-    """For 7.2, 7.3 and 9.1, which call the learner's function in a thread: a loop that never
+    """For 5.3, 7.2, 7.3 and 9.1, which call the learner's function in a thread: a loop that never
     ends."""
     while True:
         time.sleep(0.01)
@@ -260,8 +260,8 @@ def never_returns(*args):
 
 RING_HANG = ("Every send needs a matching receive: on a ring, post the receive (dist.irecv) before "
              "waiting on the send, or use dist.batch_isend_irecv for each step")
-#: What each check's hang verdict says every rank must do (or, 7.2, 7.3 and 9.1, what to look
-#: for).
+#: What each check's hang verdict says every rank must do (or, 5.3, 7.2, 7.3 and 9.1, what to
+#: look for).
 HANG_HINTS = {
     "1.1": "Every rank must call all_reduce on the same parameters, in the same order.",
     "2.1": RING_HANG,
@@ -272,6 +272,7 @@ HANG_HINTS = {
            "per parameter or bucket) in the same order.",
     "5.2": "every rank must make the same collectives (broadcasts in __init__, one all-reduce "
            "per parameter or bucket) in the same order.",
+    "5.3": "A loop that never ends?",
     "6.1": "every rank must make an all-gather of every tensor, in the same order, even a rank "
            "whose shard is only padding.",
     "6.2": "every rank must make an all-gather of every tensor, in the same order, even a rank "

@@ -89,7 +89,7 @@ def test_a_name_is_an_id():
 
 def test_the_margin_says_median_spread_repeats_and_threshold():
     claim = ratio_claim([0.5, 0.6, 0.55, 0.52, 0.58])
-    assert claim.margin == ("median 0.55 x, middle half 0.52-0.58 of 5 repeats; the statement "
+    assert claim.margin == ("median 0.55x, middle half 0.52-0.58 of 5 repeats; the statement "
                             "needs below 1")
     assert claim.markdown == f"{claim.sentence} *({claim.margin})*"
 
@@ -98,10 +98,10 @@ def test_say_fills_numbers_and_claims_and_records_the_claims():
     claim = ratio_claim([0.5, 0.6, 0.55, 0.52, 0.58])
     shown = say("Rank 0 sent {sent:,} bytes. {faster}", sent=12345, faster=claim)
     assert shown.markdown.startswith("Rank 0 sent 12,345 bytes. The ring took 0.55x")
-    bundle = shown._repr_mimebundle_()
-    assert bundle["text/markdown"] == shown.markdown
-    [record] = stored_claims([{"output_type": "display_data",
-                               "data": json.loads(json.dumps(bundle))}])
+    data, metadata = shown._repr_mimebundle_()
+    assert data["text/markdown"] == shown.markdown
+    [record] = stored_claims([{"output_type": "display_data", "data": data,
+                               "metadata": json.loads(json.dumps(metadata))}])
     assert record["name"] == "test.ring-faster" and record["outcome"] == "held"
     assert record["needs"] == "held" and record["repeats"] == 5
 
@@ -113,10 +113,10 @@ def test_say_refuses_a_paragraph_with_a_missing_number():
 
 def test_a_claim_alone_displays_as_its_paragraph():
     claim = ratio_claim([0.5, 0.6, 0.55, 0.52, 0.58])
-    bundle = claim._repr_mimebundle_()
-    assert bundle["text/markdown"] == claim.markdown
-    assert bundle[MIME_TYPE]["claims"][0]["name"] == claim.name
+    data, metadata = claim._repr_mimebundle_()
+    assert data["text/markdown"] == claim.markdown and MIME_TYPE not in data
+    assert metadata[MIME_TYPE]["claims"][0]["name"] == claim.name
 
 
 def test_a_plain_paragraph_carries_no_claims():
-    assert MIME_TYPE not in say("{n} ranks", n=4)._repr_mimebundle_()
+    assert say("{n} ranks", n=4)._repr_mimebundle_()[1] == {}

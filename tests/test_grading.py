@@ -388,6 +388,7 @@ MUTATIONS = {
     "4.2": ("tensor.copy_(total.view_as(tensor))", "return total.view_as(tensor)"),
     "5.1": ("p.grad /= world_size", "pass  # forgot to divide"),
     "5.2": ("async_op=True)", "async_op=False)"),
+    "5.3": ("share = allreduce / (n - 1)", "share = allreduce"),
     "6.1": ("m.mul_(beta)", "m.mul_(0.0)"),
     "6.2": ("out = x @ weight.T + bias", "out = x @ weight + bias"),
     "6.3": ("return ring_reduce_scatter(padded) / world_size",

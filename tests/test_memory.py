@@ -319,6 +319,10 @@ def test_table_and_figure(reduce_scatter_runs):
     fig = plot_memory_timeline(reduce_scatter_runs[3])
     assert isinstance(fig, Figure)
     assert len(fig.axes[0].patches) > 0
+    # every bar says whose it is: the ranks 0..2 under each of the moments
+    moments = len(reduce_scatter_runs[3][0])
+    ranks = [t.get_text() for t in fig.axes[0].get_xticklabels(minor=True)]
+    assert ranks == ["0", "1", "2"] * moments
 
 
 def test_plot_refuses_ranks_with_different_moments():

@@ -108,6 +108,48 @@ def test_live_runs_the_chosen_setting_into_its_own_output() -> None:
     assert button.description == "Run on real ranks" and not button.disabled
 
 
+def test_the_panel_is_displayed_once_and_its_progress_bar_becomes_the_panel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a front end is sent: one view, of the panel, holding the progress bar while the
+    grid runs. JupyterLab hid a panel that replaced a progress bar's display (an update of
+    that display, then the bar closed), so nothing is updated and nothing shown is closed."""
+    shown: list[tuple[Any, dict[str, Any]]] = []
+    monkeypatch.setattr(recorded, "display",
+                        lambda obj, **kwargs: shown.append((obj, kwargs)))
+    children_while_running: list[tuple[w.Widget, ...]] = []
+    ids_while_running: set[str] = set()
+
+    def render(n: int, size: int) -> None:
+        children_while_running.append(shown[0][0].children)
+        ids_while_running.update(c.model_id for c in shown[0][0].children)
+        print(n, size)
+
+    panel = recorded_panel([WORLD, SIZE], render)
+    assert len(shown) == 1, "the panel is displayed once, never updated"
+    displayed, kwargs = shown[0]
+    assert displayed is panel and not kwargs
+    bars = {c for children in children_while_running for c in children}
+    assert len(bars) == 1 and isinstance(bar := bars.pop(), w.IntProgress)
+    assert bar.value == bar.max == 6 and bar.comm is None  # closed, and no longer a child
+    assert bar not in panel.children and panel.comm is not None
+    state = w.Widget.get_manager_state()["state"]
+    assert not ids_while_running & set(state) and panel.model_id in state
+    assert state[panel.model_id]["model_name"] == "VBoxModel"
+    assert state[panel.model_id]["state"]["_dom_classes"] == ("labs-recorded-panel",)
+    _parts(panel)
+
+
+def test_the_panel_s_text_says_what_it_is_in_a_notebook_not_yet_run() -> None:
+    """JupyterLab shows a stored widget's text/plain until the cell runs: a sentence, whole."""
+    panel = recorded_panel([WORLD, SIZE], lambda n, s: None, show=False)
+    text = panel._repr_mimebundle_()["text/plain"]
+    assert text == recorded.panel_text(6) == repr(panel)
+    assert text.startswith("Recorded panel (6 settings): run this cell")
+    assert not text.endswith("…") and "ToggleButtons" not in text
+    assert recorded.panel_text(1).startswith("Recorded panel (1 setting):")
+    assert isinstance(panel, w.VBox) and panel._model_name == "VBoxModel"
+
+
 def test_a_failing_setting_fails_the_panel() -> None:
     def render(n: int) -> None:
         if n == 8:

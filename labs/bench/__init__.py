@@ -10,6 +10,10 @@
     python -m labs.bench topology [--nodes 2 4 8] [--node-size 2] [--size 16M] [--grid] (see --help)
     python -m labs.bench grading [--repeats 5] [--chapter 04_all_gather.ipynb]
     python -m labs.bench faults [--world-size 2] [--repeats 200] (see --help)
+    python -m labs.bench claims [--repeats 10] [--busy 0 2] [--only ch5.crossover]
+
+``claims``: each timing claim of the book re-run ``--repeats`` times, quiet and beside CPU
+burners, and how often it came out as its chapter's text needs (:mod:`labs.bench.claims`).
 
 ``launch``: the price a learner pays per widget click. For each start method and world size a
 fresh Python process imports ``labs`` (torch included, as a notebook kernel already has), then
@@ -37,6 +41,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from labs.bench.claims import add_claims_parser, claims_main
 from labs.bench.collectives import add_collectives_parser, collectives_main
 from labs.bench.ddp import add_ddp_parser, ddp_main
 from labs.bench.faults import add_faults_parser, faults_main
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_topology_parser(sub)
     add_grading_parser(sub)
     add_faults_parser(sub)
+    add_claims_parser(sub)
     opts = parser.parse_args(argv)
     if opts.bench == "launch":
         print(bench_launch(opts.world_sizes, opts.repeats, opts.methods))
@@ -112,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         topology_main(opts, sub.choices["topology"])
     elif opts.bench == "grading":
         grading_main(opts)
+    elif opts.bench == "claims":
+        claims_main(opts)
     elif opts.bench == "faults":
         faults_main(opts, sub.choices["faults"])
     else:

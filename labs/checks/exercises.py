@@ -185,6 +185,12 @@ EXERCISES: tuple[ExerciseSpec, ...] = (
         _BUCKETED_DDP,
         "labs.checks.ddp_cases.Plan", Form.CLASS),
     ExerciseSpec(
+        "5.3", "05_ddp", "crossover_batch", "crossover_batch",
+        ("alpha", "bandwidth", "model_bytes", "world_size", "per_sample_s", "fixed_s"),
+        "check_crossover_batch", "labs.checks.scaling",
+        ("labs.cost_model.crossover_batch",),
+        "labs.checks.scaling_cases.CrossoverPlan"),
+    ExerciseSpec(
         "6.1", "06_zero_fsdp", "sharded_sgd_step", "sharded_sgd_step",
         ("params", "momentum_shards", "lr", "beta"),
         "check_sharded_sgd_step", "labs.checks.zero",

@@ -40,8 +40,10 @@ class TwoHeads(nn.Module):
 
 
 def unused_parameter_worker(rank: int, world_size: int, wrapper: Wrapper,
-                            find_unused: bool, steps: int = 3) -> str:
-    """Train ``steps`` steps of :class:`TwoHeads` without its ``aux_head``."""
+                            find_unused: bool, steps: int = 3,
+                            aux_on: tuple[int, ...] = ()) -> str:
+    """Train ``steps`` steps of :class:`TwoHeads`, its ``aux_head`` used only by the ranks
+    in ``aux_on`` (by default by none)."""
     model = TwoHeads().to(rank_device())
     if wrapper is Wrapper.TORCH_DDP:
         from torch.nn.parallel import DistributedDataParallel
@@ -55,7 +57,7 @@ def unused_parameter_worker(rank: int, world_size: int, wrapper: Wrapper,
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(rank_device())
     for _ in range(steps):
         optimizer.zero_grad()
-        model(x).square().mean().backward()
+        model(x, use_aux=rank in aux_on).square().mean().backward()
         synchronise(model)
         optimizer.step()
     grad = model.module.aux_head.weight.grad

@@ -299,6 +299,27 @@ def launch_ratios(timing: CollectiveTiming,
     return None if paired is None else per_launch_medians(paired, timing.launches)
 
 
+def median_ratio_to_torch(timing: CollectiveTiming,
+                          timings: Sequence[CollectiveTiming]) -> float | None:
+    """torch's median time / ``timing``'s median time at the same backend, N, collective and
+    size (> 1: faster than torch; the busbw ratio too, both sharing S and the bus factor);
+    None when torch was not measured there. The ratio of the two medians a table shows beside
+    it, so that a reader can check it from them; :func:`ratio_to_torch` pairs call with call
+    instead, and can differ from it when a few calls were slow."""
+    reference = _torch_of(timing, timings)
+    if reference is None or timing.case.algorithm is Algorithm.TORCH:
+        return None
+    return reference.seconds / timing.seconds
+
+
+def _four_digits(value: float) -> str:
+    """``value`` to 4 significant digits, never in exponent form: 15595.2 -> "15600",
+    708.14 -> "708.1"."""
+    if value >= 1000:
+        return f"{round(value, 3 - math.floor(math.log10(value))):.0f}"
+    return f"{value:.4g}"
+
+
 def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:
     if ratio is None:
         return "-"
@@ -308,7 +329,11 @@ def _ratio_cell(ratio: float | None, spread: list[float] | None = None) -> str:
 
 
 def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
-    """One table per backend and world size, then the all-reduce "ring vs torch" summary."""
+    """One table per backend and world size, then the all-reduce "ring vs torch" summary.
+
+    A row's "busbw / torch" is the ratio of the two median times in the table
+    (:func:`median_ratio_to_torch`); the summary's ratios pair call with call
+    (:func:`ratio_to_torch`), and say so."""
     header = ["collective", "algorithm", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
               "correct", "busbw / torch"]
     blocks = []
@@ -318,21 +343,23 @@ def sweep_tables(timings: Sequence[CollectiveTiming]) -> str:
         order = {c: i for i, c in enumerate(Collective)}
         for t in sorted(chosen, key=lambda t: (order[t.case.collective], t.case.size_bytes)):
             rows.append([t.case.collective.value, t.case.label, format_size(t.case.size_bytes),
-                         f"{t.seconds * 1e6:.1f}", f"{t.algbw_gbps:.3g}",
+                         _four_digits(t.seconds * 1e6), f"{t.algbw_gbps:.3g}",
                          f"{t.busbw_gbps:.3g}", str(t.correct),
-                         _ratio_cell(ratio_to_torch(t, timings))])
+                         _ratio_cell(median_ratio_to_torch(t, timings))])
         dtype = dtype_name(chosen[0].case.dtype)
         counts = sorted({len(t.all_seconds) for t in chosen})
         calls = (f"{counts[0]} iterations" if len(counts) == 1 else
                  f"{counts[0]} to {counts[-1]} iterations, the most at the smallest size")
         blocks.append(f"{backend}, world size {world_size}, {dtype} (median of {calls}, "
-                      "slowest rank per call; busbw / torch: median of per-call ratios):\n"
+                      "slowest rank per call; busbw / torch: torch's median time / this "
+                      "row's):\n"
                       + format_table(header, rows))
     summary = ring_vs_torch_table(timings)
     if summary:
         spread = any(t.launches > 1 for t in timings)
         blocks.append("all-reduce, ring busbw / torch busbw (> 1: the ring is faster; the "
-                      "median of per-call ratios"
+                      "median of per-call ratios, each ring call over the torch call beside "
+                      "it, not the ratio of the medians above"
                       + ("; in brackets the lowest and highest of one launch" if spread
                          else "") + "):\n" + summary)
     return "\n\n".join(blocks)

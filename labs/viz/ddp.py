@@ -1,6 +1,6 @@
 """Chapter 5's tables and figures: step times, the bucket-size sweep, the backward timeline
-(a Gantt chart), the model of the overlapped step beside the measured one, gradient
-accumulation, the DistributedSampler and the training loss."""
+(a Gantt chart), the model of the overlapped step beside the measured one, samples per second
+of one rank and of N, gradient accumulation, the DistributedSampler and the training loss."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from labs.experiments.ddp import (
     cap_text,
 )
 from labs.experiments.overlap import NaiveAccount, OverlapRow, StepModel, pairs_by_cap
+from labs.experiments.scaling import ScalingPoint
 from labs.tables import format_table
 from labs.wrappers import Wrapper
 
@@ -296,4 +297,44 @@ def plot_loss(curves: dict[str, Sequence[float]], title: str = "") -> Figure:
            title=title or "Training loss")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+    return fig
+
+
+def scaling_table(points: Sequence[ScalingPoint], model_speedup: Sequence[float]) -> str:
+    """Per-rank batch, samples per second of one rank and of N, the measured speed-up with
+    the middle half of its repeats, the scaling efficiency and the model's speed-up."""
+    rows = []
+    for p, model in zip(points, model_speedup, strict=True):
+        one, many = p.samples_per_second()
+        s = p.speedup
+        rows.append([p.batch, f"{one:,.0f}", f"{many:,.0f}",
+                     f"{s.median:.2f} ({s.low:.2f}-{s.high:.2f})", f"{p.efficiency.median:.2f}",
+                     f"{model:.2f}"])
+    n = points[0].world_size if points else "N"
+    return format_table(["batch per rank", "1 rank: samples/s", f"{n} ranks: samples/s",
+                         "speed-up (middle half)", "efficiency", "model"], rows)
+
+
+def plot_scaling(points: Sequence[ScalingPoint], model: Sequence[tuple[float, float]],
+                 crossover: float, title: str = "") -> Figure:
+    """The measured speed-up against the per-rank batch (the bar: the middle half of the
+    repeats), the model's curve ``model`` [(batch, speed-up)], 1 (no gain) and the predicted
+    crossover batch."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6), layout="constrained")
+    batches = [p.batch for p in points]
+    med = [p.speedup.median for p in points]
+    lows = [p.speedup.median - p.speedup.low for p in points]
+    highs = [p.speedup.high - p.speedup.median for p in points]
+    ax.errorbar(batches, med, yerr=[lows, highs], fmt="o", color=_COLOURS[Wrapper.DDP],
+                capsize=3, label="measured (middle half of the steps)")
+    ax.plot([b for b, _ in model], [v for _, v in model], "-", color="tab:gray",
+            label="model: N T1 / (T1 + R)")
+    ax.axhline(1, color="black", lw=0.8, ls=":", label="as fast as one rank")
+    ax.axvline(crossover, color="tab:red", lw=1, ls="--",
+               label=f"predicted crossover, {crossover:.0f} per rank")
+    n = points[0].world_size if points else "N"
+    ax.set(xscale="log", xlabel="samples per rank per step",
+           ylabel=f"samples/s of {n} ranks / of 1", title=title)
+    ax.legend(fontsize="small", loc="upper left")
+    ax.grid(True, alpha=0.3)
     return fig

@@ -60,9 +60,10 @@ def _unit(nbytes: float) -> tuple[float, str]:
 
 def plot_memory_timeline(per_rank: Sequence[Sequence[MemorySnapshot]], *, title: str = "",
                          ) -> Figure:
-    """Bars per moment and rank (rank 0 leftmost), stacked by registration group, with a
-    moment's transient peak (from an :class:`~labs.memory.AllocationTracker`) hatched on top.
-    Every rank must have recorded the same moments."""
+    """Bars per moment and rank (rank 0 leftmost, each bar numbered with its rank under it),
+    stacked by registration group, with a moment's transient peak (from an
+    :class:`~labs.memory.AllocationTracker`) hatched on top. Every rank must have recorded the
+    same moments."""
     if not per_rank or not per_rank[0]:
         raise ValueError("nothing to plot: pass one sequence of snapshots per rank")
     moments = [s.moment for s in per_rank[0]]
@@ -82,9 +83,11 @@ def plot_memory_timeline(per_rank: Sequence[Sequence[MemorySnapshot]], *, title:
                label=None if label in labelled else label, **style)
         labelled.add(label)
 
+    rank_ticks: list[float] = []
     for m in range(len(moments)):
         for rank, snaps in enumerate(per_rank):
             x, bottom = m - 0.4 + width * (rank + 0.5), 0.0
+            rank_ticks.append(x)
             by_group = snaps[m].bytes_by_group()
             for group in groups:
                 if by_group.get(group):
@@ -94,10 +97,18 @@ def plot_memory_timeline(per_rank: Sequence[Sequence[MemorySnapshot]], *, title:
             if snaps[m].transient_bytes:
                 bar(x, bottom, snaps[m].transient_bytes, "allocated during (peak)",
                     color="white", edgecolor="gray", hatch="//")
+    # Two rows of labels: each bar's rank (minor ticks) and, under them, the moment. A middle
+    # bar sits on its moment's tick, which matplotlib would otherwise let hide its rank.
+    ax.xaxis.remove_overlapping_locs = False
+    ax.set_xticks(rank_ticks, [str(r) for _ in moments for r in range(len(per_rank))],
+                  minor=True, fontsize="x-small")
     ax.set_xticks(range(len(moments)), [m.replace(" ", "\n", 1) for m in moments],
                   fontsize="small")
+    ax.tick_params(axis="x", which="major", length=0, pad=14)
+    ax.tick_params(axis="x", which="minor", length=2, pad=2)
     n = len(per_rank)
-    ax.set(ylabel=f"tensor storage held ({unit})",
+    ax.set(xlabel="moment; the number under each bar is its rank",
+           ylabel=f"tensor storage held ({unit})",
            title=title or f"Per-rank memory, {n} rank{'s' if n > 1 else ''} (one bar each)")
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: (labels[i] not in groups,

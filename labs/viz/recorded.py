@@ -124,6 +124,30 @@ def lighter_png(png_base64: str) -> str:
     return base64.b64encode(smaller.getvalue()).decode("ascii")
 
 
+class RecordedPanel(w.VBox):
+    """A recorded panel: a plain ``VBox`` in the front end (the book's widget state has a
+    ``VBoxModel``), whose text is a sentence, not the repr of its children.
+
+    A notebook stores that text beside the widget's view, and JupyterLab shows it in place of
+    a panel whose widgets no kernel has made yet (a notebook just opened)."""
+
+    def __init__(self, children: Sequence[w.Widget], *, settings: int) -> None:
+        super().__init__(children)
+        self._settings = settings
+
+    def __repr__(self) -> str:
+        return panel_text(self._settings)
+
+
+def panel_text(settings: int) -> str:
+    """What a notebook shows for a recorded panel of ``settings`` runs when it cannot draw the
+    widgets."""
+    runs = "1 setting" if settings == 1 else f"{settings} settings"
+    # under 110 characters, where ipywidgets cuts a widget's text short
+    return (f"Recorded panel ({runs}): run this cell to switch between its runs; "
+            "the book shows them with no kernel.")
+
+
 def _control(choice: Choice) -> w.ToggleButtons:
     return w.ToggleButtons(options=list(choice.options), index=choice.default_index,
                            description=choice.description,
@@ -151,7 +175,7 @@ def recorded_panel(
     live: Callable[..., None] | None = None,
     live_controls: Sequence[w.Widget] = (),
     show: bool = True,
-) -> w.VBox:
+) -> RecordedPanel:
     """Run ``render(v₁, v₂, ...)`` for every setting of ``choices``' grid, keep each output,
     and return (and, with ``show``, display) a panel whose controls switch between them in
     the browser.
@@ -165,14 +189,21 @@ def recorded_panel(
     under the recorded output names the machine the grid ran on.
 
     While the grid runs, a progress bar says which setting is running; it is replaced by the
-    panel when the grid is done."""
+    panel when the grid is done. The panel is displayed once, holding the progress bar, and
+    its children become the controls and stacks when the grid is done: no display is updated
+    and no displayed widget is closed. (JupyterLab redraws an updated display in the renderer
+    of the widget it first showed, and hides that renderer when that widget closes: a panel
+    put in a progress bar's display, the bar then closed, vanished with the bar.)"""
     if not choices:
         raise ValueError("a recorded panel needs at least one control.")
     settings = grid(choices)
     progress = w.IntProgress(value=0, max=len(settings), description="recording",
                              style={"description_width": "initial"},
                              layout=w.Layout(width="520px"))
-    handle = display(progress, display_id=True) if show else None
+    panel = RecordedPanel([progress], settings=len(settings))
+    panel.add_class("labs-recorded-panel")
+    if show:
+        display(panel)
     leaves: dict[tuple[int, ...], w.Output] = {}
     for done, index in enumerate(settings):
         values = [c.options[i][1] for c, i in zip(choices, index, strict=True)]
@@ -193,13 +224,10 @@ def recorded_panel(
             live(*(c.value for c in controls))
 
         parts += [w.HBox([*live_controls, run_button(out, run)]), out]
-    panel = w.VBox(parts)
-    panel.add_class("labs-recorded-panel")
-    if handle is not None:
-        handle.update(panel)
-        progress.close()
-    elif show:
-        display(panel)
+    panel.children = parts
+    # Shown nowhere now: no output and no panel refers to it (nbclient still keeps its last
+    # state in the notebook's widget state, which nothing draws).
+    progress.close()
     return panel
 
 
@@ -207,7 +235,8 @@ def run_button(out: w.Output, action: Callable[[], None]) -> w.Button:
     """A "Run on real ranks" button: each click clears ``out`` and shows ``action``'s output
     there; the button is disabled while the ranks run, so a second click cannot start a
     second launch."""
-    button = w.Button(description="Run on real ranks", button_style="primary", icon="play")
+    button = w.Button(description="Run on real ranks", button_style="primary", icon="play",
+                      layout=w.Layout(width="auto"))  # JupyterLab's default width cuts it
 
     def run(_: w.Button) -> None:
         button.disabled, button.description = True, "Running..."
