@@ -202,8 +202,11 @@ def test_a_folder_past_its_size_or_count_is_seen(tmp_path) -> None:
 
 
 def test_a_stage_that_fills_its_folder_is_stopped(tmp_path) -> None:
-    """A stage wrote 162 MiB/s into its folder, capped per file only (about 47 GiB in one
-    300 s stage): the folder is watched and the stage's processes killed past the limit."""
+    """A stage writes 1 MiB files at the page cache's speed (about 1 GB/s here: 47 GiB or more
+    in one 300 s stage, each file under the per-file cap): the folder is watched, more often
+    while it grows, and the stage's processes killed past the limit. Quiet or beside two
+    burners it kept 49-79 MiB for a 32 MiB limit; CI once kept 256 MiB when the watch looked
+    only every 0.2 s."""
     import subprocess  # noqa: PLC0415
 
     script = ("import itertools\nfor i in itertools.count():\n"

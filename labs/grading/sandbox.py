@@ -8,9 +8,9 @@ started). On Linux the grader first makes itself a *child subreaper* (``prctl``)
 whose parent died is re-parented to the grader instead of to init and is still found.
 
 A stage that writes without end into its folder (the one folder of the machine's it may
-write) is stopped the same way (:class:`DiskWatch`): the folder is measured a few times a
-second, and past :data:`MAX_STAGE_BYTES` or :data:`MAX_STAGE_FILES` the stage's processes are
-killed.
+write) is stopped the same way (:class:`DiskWatch`): the folder is measured often, more often
+while it grows fast, and past :data:`MAX_STAGE_BYTES` or :data:`MAX_STAGE_FILES` the stage's
+processes are killed.
 
 This is clean-up, not a security sandbox: the learner's code runs with the grader's rights.
 """
@@ -36,8 +36,8 @@ MAX_OUTPUT_BYTES = 4 << 20
 MAX_STAGE_BYTES = 256 << 20
 #: The most files and folders a stage may make in its folder.
 MAX_STAGE_FILES = 10_000
-#: How often :class:`DiskWatch` measures a stage's folder.
-DISK_WATCH_PERIOD_S = 0.2
+#: The longest and the shortest time between two of :class:`DiskWatch`'s looks at a folder.
+DISK_WATCH_PERIOD_S = (0.2, 0.005)
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -156,10 +156,14 @@ class Deadline:
 
 class DiskWatch:
     """``with DiskWatch(folder, limit, sweep): ...``: while the block runs, ``folder`` is
-    measured every :data:`DISK_WATCH_PERIOD_S` (never following a link); once it holds more
-    than ``limit`` bytes or :data:`MAX_STAGE_FILES` entries, every process ``sweep`` saw start
-    is killed and :attr:`exceeded` says so. A stage writing 160 MiB/s overshoots by a few tens
-    of MiB, against the whole disk it could fill before."""
+    measured (never following a link); once it holds more than ``limit`` bytes or
+    :data:`MAX_STAGE_FILES` entries, every process ``sweep`` saw start is killed and
+    :attr:`exceeded` says so.
+
+    The first look comes after the shortest period of :data:`DISK_WATCH_PERIOD_S`; each next
+    one comes before the folder could fill half the room left at the rate it grew since the
+    last, within the two periods. A writer at the page cache's speed (1 GB/s on a 2-core
+    machine) overshoots by a few tens of MiB, against the whole disk it could fill before."""
 
     def __init__(self, folder: Path, limit: int, sweep: ProcessSweep) -> None:
         self.folder, self.limit, self._sweep = Path(folder), limit, sweep
@@ -172,11 +176,19 @@ class DiskWatch:
                 "into its folder, the most one grading stage may keep")
 
     def _watch(self) -> None:
-        while not self._stop.wait(DISK_WATCH_PERIOD_S):
-            if folder_usage(self.folder, self.limit, MAX_STAGE_FILES):
+        longest, shortest = DISK_WATCH_PERIOD_S
+        period, last = shortest, 0
+        while not self._stop.wait(period):
+            used, entries = folder_size(self.folder, self.limit, MAX_STAGE_FILES)
+            if used > self.limit or entries > MAX_STAGE_FILES:
                 self.exceeded = True
                 kill_new(self._sweep.before)
                 return
+            grown, last = used - last, used
+            if grown <= 0:
+                period = min(longest, 2 * period)
+            else:  # at this rate, half the room left lasts period * room / (2 * grown)
+                period = min(longest, max(shortest, period * (self.limit - used) / (2 * grown)))
 
     def __enter__(self) -> DiskWatch:
         self._thread.start()
@@ -189,10 +201,10 @@ class DiskWatch:
             self.exceeded = True  # written between the last look and the stage's end
 
 
-def folder_usage(folder: Path, limit: int, max_entries: int) -> bool:
-    """Whether ``folder`` holds more than ``limit`` bytes of disk or ``max_entries`` entries
-    (each file counted once however many names it has; links not followed). Stops reading
-    as soon as either is passed."""
+def folder_size(folder: Path, limit: int, max_entries: int) -> tuple[int, int]:
+    """The bytes of disk ``folder`` holds and its number of entries (each file counted once
+    however many names it has; links not followed). Stops reading as soon as either passes
+    ``limit`` or ``max_entries``."""
     used, entries, seen = 0, 0, set()
     pending = [str(folder)]
     while pending:
@@ -201,7 +213,7 @@ def folder_usage(folder: Path, limit: int, max_entries: int) -> bool:
                 for entry in listing:
                     entries += 1
                     if entries > max_entries:
-                        return True
+                        return used, entries
                     try:
                         info = entry.stat(follow_symlinks=False)
                     except OSError:
@@ -212,10 +224,16 @@ def folder_usage(folder: Path, limit: int, max_entries: int) -> bool:
                         seen.add((info.st_dev, info.st_ino))
                         used += max(getattr(info, "st_blocks", 0) * 512, info.st_size)
                         if used > limit:
-                            return True
+                            return used, entries
         except OSError:
             continue
-    return False
+    return used, entries
+
+
+def folder_usage(folder: Path, limit: int, max_entries: int) -> bool:
+    """Whether ``folder`` holds more than ``limit`` bytes of disk or ``max_entries`` entries."""
+    used, entries = folder_size(folder, limit, max_entries)
+    return used > limit or entries > max_entries
 
 
 def run_capped(command: Sequence[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
