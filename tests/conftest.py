@@ -1,6 +1,7 @@
 """Shared test helpers: which processes a test left running, a guard against any process
-starting (for input that must be refused first), GPU-only tests, and ``assert_fails`` (what
-every test of an exercise check's wrong answers asserts).
+starting (for input that must be refused first), GPU-only tests, ``assert_fails`` (what
+every test of an exercise check's wrong answers asserts) and ``stated_values`` (the numbers a
+wrong answer's verdict states).
 
 Ranks are forked from multiprocessing's forkserver helper, a child of the test process; the
 forkserver in turn needs multiprocessing's resource tracker, also a child of the test process.
@@ -20,6 +21,7 @@ import multiprocessing.process
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -188,3 +190,24 @@ def assert_fails(capsys: pytest.CaptureFixture[str]) -> Callable[..., None]:
         assert capsys.readouterr().out.startswith(f"FAIL: Exercise {exercise}")
 
     return check
+
+
+#: A value as a verdict writes it (``:g``), NaN and infinities included.
+_NUMBER = r"(-?(?:inf|nan|[\d.]+(?:e[-+]?\d+)?))"
+#: What ``labs.checks.core`` writes for a tensor: ``element [2, 1] is 0.5, expected 0.25``
+#: (first_difference, largest_difference) or ``element 4 is now 0, was 7`` (first_change).
+_STATED = re.compile(rf"(?:element (?:\d+|\[[\d, ]+\])|the value) is (?:now )?{_NUMBER}, "
+                     rf"(?:expected|was) {_NUMBER}")
+
+
+@pytest.fixture
+def stated_values() -> Callable[[str], tuple[float, float]]:
+    """``stated_values(message)``: the first pair ``(got, expected)`` that a verdict states for
+    a tensor's element (``(now, was)`` for a tensor that was to stay as it was); the test fails
+    when the message states none."""
+    def find(message: str) -> tuple[float, float]:
+        found = _STATED.search(message)
+        assert found, f"no element's values in: {message}"
+        return float(found.group(1)), float(found.group(2))
+
+    return find

@@ -149,13 +149,22 @@ def test_reference_solution_passes(capsys):
                                  "ranks, 2x the mean"),
         (assigns_the_result, "rank 0: first.weight.grad is None; average it in place, do not "
                              "drop it."),
-        (divides_by_one_more, "rank 0: first.weight.grad is not the mean over ranks."),
+        (divides_by_one_more, "rank 0: first.weight.grad is not the mean over ranks: element ["),
         (gives_frozen_a_gradient, "frozen parameter got a gradient"),
         (averages_from_the_checks_secrets, "rank 1's inputs are not this rank's to draw"),
     ],
 )
 def test_wrong_answers_fail_with_a_reason(answer, reason, assert_fails):
     assert_fails(check_average_gradients(answer), "1.1", reason)
+
+
+def test_a_wrong_mean_is_shown_with_the_values_got_and_expected(assert_fails, stated_values):
+    result = check_average_gradients(divides_by_one_more, world_sizes=(2,))
+    assert_fails(result, "1.1", "with 2 rank(s), rank 0: first.weight.grad is not the mean over "
+                 "ranks: element [", "(the mean of the gradients the ranks started with), off "
+                 "by ", "the largest difference in the tensor.")
+    got, expected = stated_values(result.message)
+    assert got == pytest.approx(expected * 2 / 3, rel=1e-4)  # the sum over 2 ranks, divided by 3
 
 
 @pytest.mark.slow  # the contract's hang of 1.1
@@ -622,7 +631,7 @@ def zeroes_its_shard(shard, numel):
          ["with 2 rank(s), numel 301: rank 0: returned 302 element(s), expected numel = 301; "
           "that is shard.numel() x N, but shards differ in length when numel does not divide "
           "by N, so use the numel argument"]),
-        (zeroes_its_shard, (2,), ["its shard was changed"]),
+        (zeroes_its_shard, (2,), ["its shard was changed (element 0 is now 0, was "]),
     ],
 )
 def test_wrong_ring_all_gather_fails(answer, world_sizes, reasons, assert_fails):

@@ -242,6 +242,94 @@ def test_wrong_simple_ddp_fails_with_a_reason(answer, reasons, assert_fails):
     assert_fails(check_simple_ddp(answer, world_sizes=(2,)), "5.1", *reasons)
 
 
+class AddsOne(LearnerSimpleDDP):
+    """Right, then adds 1, on the ranks in ``ranks``, to ``what``: "grads" every gradient after
+    the average, "gain" or "frozen" that parameter before the optimizer step, "init" gain after
+    the broadcast. The verdict must state the value got and the one expected, 1 apart."""
+
+    what = "grads"
+    ranks = (0, 1)
+
+    def __init__(self, module):
+        super().__init__(module)
+        if self.what == "init" and dist.get_rank() in self.ranks:
+            with torch.no_grad():
+                self.module.gain.add_(1)
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        if dist.get_rank() not in self.ranks:
+            return
+        with torch.no_grad():
+            if self.what == "grads":
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad += 1
+            elif self.what in ("gain", "frozen"):
+                getattr(self.module, self.what).add_(1)
+
+
+class AddsOneToTheMeanOnRankOne(AddsOne):
+    ranks = (1,)
+
+
+class MovesGain(AddsOne):
+    what = "gain"
+
+
+class MovesGainOnRankOne(AddsOne):
+    what, ranks = "gain", (1,)
+
+
+class MovesFrozen(AddsOne):
+    what = "frozen"
+
+
+class ShiftsRankOneAfterTheBroadcast(AddsOne):
+    what, ranks = "init", (1,)
+
+
+class ShiftsRankZeroAfterTheBroadcast(AddsOne):
+    what, ranks = "init", (0,)
+
+
+_OFF_BY_ONE = "off by 1, the largest difference in the tensor"
+
+
+@pytest.mark.parametrize(
+    ("answer", "reasons"),
+    [
+        (AddsOne, ["with 2 rank(s), step 1: rank 0: gain.grad is not the mean over ranks of the "
+                   "ranks' gradients: element ", "(the mean over ranks), " + _OFF_BY_ONE]),
+        (MovesGain, ["with 2 rank(s), step 1: rank 0: 'gain' differs from one process after the "
+                     "optimizer step, though the gradients were right: element ",
+                     "(one process's), " + _OFF_BY_ONE + ". Change only p.grad"]),
+        (AddsOneToTheMeanOnRankOne, [
+            "step 1: ranks disagree: rank 1 and rank 0 hold different gain.grad (rank 1's "
+            "element ", "(the mean over ranks), " + _OFF_BY_ONE + "); every rank must end"]),
+        (MovesGainOnRankOne, [
+            "step 1: ranks disagree: rank 1 and rank 0 hold different 'gain' after the optimizer "
+            "step, though the gradients were right (rank 1's element ",
+            "(one process's), " + _OFF_BY_ONE + ")."]),
+        (MovesFrozen, [
+            "step 1: rank 0: the frozen parameter 'frozen' changed (frozen parameter touched): "
+            "element ", "(its value before the step), " + _OFF_BY_ONE + ". Leave parameters"]),
+        (ShiftsRankOneAfterTheBroadcast, [
+            "after __init__: rank 1's 'gain' after __init__ is neither rank 0's nor its own: "
+            "element ", "(rank 0's), " + _OFF_BY_ONE + ". Broadcast every"]),
+        (ShiftsRankZeroAfterTheBroadcast, [
+            "after __init__: rank 0's 'gain' changed in __init__: element ",
+            "(its value before __init__), " + _OFF_BY_ONE + ". Rank 0 is the source"]),
+    ],
+)
+def test_wrong_values_are_shown_with_the_values_expected(answer, reasons, assert_fails,
+                                                         stated_values):
+    result = check_simple_ddp(answer, world_sizes=(2,))
+    assert_fails(result, "5.1", *reasons)
+    got, expected = stated_values(result.message)
+    assert got == pytest.approx(expected + 1, abs=1e-4)
+
+
 @pytest.mark.slow  # the contract's hang of 5.1
 def test_a_rank_that_skips_the_all_reduces_fails_as_hung():
     result = check_simple_ddp(RankZeroSkipsTheAllReduces, world_sizes=(2,), timeout=3)

@@ -395,6 +395,25 @@ def test_dividing_by_the_world_size_fails_with_a_reason(assert_fails):
                  "still train).")
 
 
+def join_step_nudging_a_weight(model, batch, lr):
+    """Right, but adds 1 to one weight when it ends: the same on every rank."""
+    going = learner_join(model, batch, lr)
+    if not going:
+        with torch.no_grad():
+            model[0].weight[1, 2] += 1
+    return going
+
+
+def test_parameters_off_one_process_are_shown_with_the_values_expected(assert_fails,
+                                                                      stated_values):
+    result = check_join_step(join_step_nudging_a_weight, world_sizes=(2,))
+    assert_fails(result, "9.2", f"{AT_2}: every rank ends with the same parameters, but not one "
+                 "process's: 0.weight's element [1, 2] is ", "(one process's), off by 1, the "
+                 "largest difference in the tensor. Each step")
+    got, expected = stated_values(result.message)
+    assert got == pytest.approx(expected + 1, abs=1e-4)
+
+
 def join_step_unpacking_none(model, batch, lr):
     x, y = batch  # the mistake: None once this rank has run out
     return learner_join(model, (x, y), lr)
@@ -406,15 +425,15 @@ def join_step_unpacking_none(model, batch, lr):
     [
         (partial(learner_join, shadow_update=False),
          [f"{AT_2}: rank(s) 0 end with one process's parameters, rank 1 (1 batch(es)) does not: "
-          "0.weight is off by up to", "A rank without a batch must still apply every update its "
-          "peers apply (the mean of their gradients), so that every rank's model stays the "
-          "same."]),
+          "0.weight's element [", "(one process's), off by ", "A rank without a batch must "
+          "still apply every update its peers apply (the mean of their gradients), so that "
+          "every rank's model stays the same."]),
         (partial(learner_join, never_false=True),
          [f"{AT_2}, rank 0: join_step returned a true value in each of 6 calls, never False. "
           "Return False once no rank has a batch left"]),
         (partial(learner_join, forget_zero_grad=True),
-         [f"{AT_2}: every rank ends with the same parameters, but not one process's: 0.weight "
-          "is off by up to", "(zero the gradients before backward)."]),
+         [f"{AT_2}: every rank ends with the same parameters, but not one process's: "
+          "0.weight's element [", "(zero the gradients before backward)."]),
         (lambda model, batch, lr: None,
          [f"{AT_2}, rank 0: its loop ended at call 1 (join_step returned None), but rank 0 "
           "had 3 batch(es), so every rank must make 4 calls"]),

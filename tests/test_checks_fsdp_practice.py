@@ -35,6 +35,7 @@ from labs.checks.fsdp_practice_cases import (
     clip_reference,
     expected_pieces,
 )
+from labs.checks.prefetch import _judge_real, _PrefetchRun
 from labs.checks.watch import GROUP_METHODS, counted_collectives
 from labs.collectives import ring_all_gather, ring_all_reduce
 from labs.models import TiedNet
@@ -583,6 +584,20 @@ def test_the_real_run_catches_a_policy_that_behaves_otherwise_in_fsdp(assert_fai
     assert_fails(check_units_to_prefetch(prefetch_only_on_the_table), "7.3",
                  "in a real run (FSDP(ShuffledNet()) on 2 ranks, labs' ring, prefetch=1",
                  "step 2", "with your policy FSDP did")
+
+
+def test_parameters_that_differ_after_the_right_prefetches_are_shown_with_their_values(
+        stated_values):
+    # The policy only names units, so no wrong answer reaches this verdict through FSDP: the
+    # judge is given a real run's record whose prefetches agree and whose parameters do not.
+    events = [[("unshard", "a"), ("reshard", "a")]]
+    mine = torch.tensor([[1.0, 2.0], [3.0, 4.5]])
+    labs_own = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    run = _PrefetchRun(yours=events, labs=events, params={"a.weight": (mine, labs_own)})
+    message = _judge_real([run])
+    assert "rank 0: the prefetches were labs', but parameter a.weight differs after 3 steps: " \
+           "element [1, 1] is 4.5, expected 4 (with labs' policy)" in message, message
+    assert stated_values(message) == (4.5, 4.0)
 
 
 @pytest.mark.slow  # the documented cases run above; the seed adds three drawn calls

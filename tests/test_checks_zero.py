@@ -410,7 +410,8 @@ GRAD_24 = "with 2 rank(s), a gradient of shape (4, 6) (numel 24), rank"
           "torch.tensor_split", "zero-pad the flattened gradient to N*k = 16 elements",
           "It is right where 2 divides every numel, wrong where it does not"]),
         (partial(learner_reduce_scatter, copy=False),
-         [f"{GRAD_24} 0: grad was changed; reduce_scatter_grad must leave it as it is"]),
+         [f"{GRAD_24} 0: grad was changed (element ", "); reduce_scatter_grad must leave it as "
+          "it is"]),
         (partial(learner_reduce_scatter, owner_shift=1),
          [f"{GRAD_24} 0: returned shard 1, elements [12, 24) of the mean, not its own shard 0, "
           "elements [0, 12)"]),
@@ -424,6 +425,37 @@ GRAD_24 = "with 2 rank(s), a gradient of shape (4, 6) (numel 24), rank"
 )
 def test_wrong_reduce_scatter_grad_fails_with_a_reason(answer, reasons, assert_fails):
     assert_fails(check_reduce_scatter_grad(answer, world_sizes=(2,)), "6.3", *reasons)
+
+
+def zeroes_its_shard(shard, in_features, out_features, x):
+    out = learner_forward(shard, in_features, out_features, x)
+    shard.zero_()
+    return out
+
+
+def adds_one_to_its_shard(grad):
+    return learner_reduce_scatter(grad) + 1
+
+
+@pytest.mark.parametrize(
+    ("check", "answer", "exercise", "reasons", "relation"),
+    [
+        (check_fsdp_linear_forward, zeroes_its_shard, "6.2",
+         ["rank 0: the shard it was given was changed (element ", "); gather from it"],
+         lambda now, was: now == 0 != was),
+        (check_reduce_scatter_grad, partial(learner_reduce_scatter, copy=False), "6.3",
+         [f"{GRAD_24} 0: grad was changed (element "], lambda now, was: now == was / 2),
+        (check_reduce_scatter_grad, adds_one_to_its_shard, "6.3",
+         [f"{GRAD_24} 0: element ", "(shard 0, elements [0, 12) of the mean), off by 1, the "
+          "largest difference in the tensor."],
+         lambda got, want: got == pytest.approx(want + 1, abs=1e-4)),
+    ],
+)
+def test_wrong_values_are_shown_with_the_values_expected(check, answer, exercise, reasons,
+                                                         relation, assert_fails, stated_values):
+    result = check(answer, world_sizes=(2,))
+    assert_fails(result, exercise, *reasons)
+    assert relation(*stated_values(result.message)), result.message
 
 
 @pytest.mark.slow  # make test's budget (5 s): the hang verdict stays in test_check_contract

@@ -285,6 +285,35 @@ def test_a_backward_returning_the_wrong_thing_fails(assert_fails):
                  "6.5", "returned Tensor; it must return a tuple (grad_x, grad_shard)")
 
 
+def hook_adding_one(param, grad_shards):
+    learner_hook(param, grad_shards)
+    grad_shards[param] += 1
+
+
+def backward_adding_one_to_grad_x(shard, in_features, out_features, x, grad_out):
+    grad_x, grad_shard = learner_backward(shard, in_features, out_features, x, grad_out)
+    return grad_x + 1, grad_shard
+
+
+@pytest.mark.parametrize(
+    ("check", "answer", "exercise", "reasons"),
+    [
+        (check_zero2_grad_hook, hook_adding_one, "6.4",
+         [f"{WEIGHT}grad_shards[param]: element ", "(shard 0, elements [0, 10) of the mean), off "
+          "by 1, the largest difference in the tensor."]),
+        (check_fsdp_linear_backward, backward_adding_one_to_grad_x, "6.5",
+         [f"{LINEAR}grad_x, element [", "(grad_out @ weight, with the gathered weight), off by "
+          "1, the largest difference in the tensor."]),
+    ],
+)
+def test_wrong_values_are_shown_with_the_values_expected(check, answer, exercise, reasons,
+                                                         assert_fails, stated_values):
+    result = check(answer, world_sizes=(2,))
+    assert_fails(result, exercise, *reasons)
+    got, expected = stated_values(result.message)
+    assert got == pytest.approx(expected + 1, abs=1e-4)
+
+
 # --- hidden cases, determinism, the refusal ----------------------------------------------------
 
 

@@ -61,6 +61,7 @@ from labs.checks.core import (
     case_noted,
     failed_case,
     failing_rank,
+    first_change,
     first_difference,
     listed,
     raised,
@@ -155,10 +156,6 @@ def _rank_run(rank: int, world_size: int, fn: Callable[..., Any], exercise: Exer
 
 
 # --- judging values ---------------------------------------------------------------------------
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"
 
 
 #: The diagnosis below tries every subset of ranks: 2^N sums, so it stops at this N.
@@ -280,12 +277,10 @@ def _judge_reduce_scatter(n: int, inputs: list[torch.Tensor], outcomes: list[_Ou
         return f"rank {r}: " + first_difference(got, chunk[r], f"chunk {r} of the sum") + "."
     for r, out in enumerate(outcomes):
         if not torch.equal(out.after, inputs[r]):
-            before, now = inputs[r].reshape(-1), out.after.reshape(-1)
-            i = int((now != before).nonzero()[0, 0])
-            return (f"rank {r}: the right chunk, but the input tensor was changed: element {i} "
-                    f"is now {_num(float(now[i]))}, was {_num(float(before[i]))}. A "
-                    "reduce-scatter must leave its input as it was: add into a separate buffer "
-                    "(e.g. a clone of the chunk), not into a view of the input.")
+            return (f"rank {r}: the right chunk, but the input tensor was changed: "
+                    f"{first_change(out.after, inputs[r])}. A reduce-scatter must leave its "
+                    "input as it was: add into a separate buffer (e.g. a clone of the chunk), "
+                    "not into a view of the input.")
     return ""
 
 
@@ -331,8 +326,9 @@ def _judge_all_gather(n: int, full: torch.Tensor, outcomes: list[_Outcome]) -> s
         return f"rank {r}: " + first_difference(got, full, "the gathered tensor") + "."
     for r, out in enumerate(outcomes):
         if not torch.equal(out.after, chunk[r]):
-            return (f"rank {r}: the right result, but its shard was changed; an all-gather "
-                    "must leave its input as it was (copy it into the output instead).")
+            return (f"rank {r}: the right result, but its shard was changed "
+                    f"({first_change(out.after, chunk[r])}); an all-gather must leave its input "
+                    "as it was (copy it into the output instead).")
     return ""
 
 

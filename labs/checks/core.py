@@ -492,6 +492,45 @@ def first_difference(got: torch.Tensor, expected: torch.Tensor, what: str) -> st
     return f"element {i} is {float(got[i]):g}, expected {float(expected[i]):g} ({what})"
 
 
+def first_change(now: torch.Tensor, before: torch.Tensor) -> str:
+    """The first element (flat index) of a tensor that was to stay as it was and did not, in
+    words: ``element 4 is now 0, was 7`` (or its shapes, when it was resized)."""
+    if now.shape != before.shape:
+        return f"its shape is now {tuple(now.shape)}, was {tuple(before.shape)}"
+    now, before = now.reshape(-1), before.reshape(-1)
+    i = int((now != before).nonzero()[0, 0])
+    return f"element {i} is now {float(now[i]):g}, was {float(before[i]):g}"
+
+
+def _element(index: Sequence[int]) -> str:
+    """An element in words: ``element 3`` of a 1-D tensor, ``element [2, 1]`` of a 2-D one."""
+    if len(index) == 1:
+        return f"element {index[0]}"
+    return f"element [{', '.join(map(str, index))}]" if index else "the value"
+
+
+def largest_difference(got: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+    """Where ``got`` is furthest from ``expected``, in words: ``element [2, 1] is 0.512,
+    expected 0.256 (what), off by 0.256, the largest difference in the tensor``. For a
+    comparison within a tolerance, where the first element that differs at all may be inside
+    it; a NaN counts as furthest, and tensors of different shapes are named by their shapes."""
+    if got.shape != expected.shape:
+        return f"its shape is {tuple(got.shape)}, expected {tuple(expected.shape)} ({what})"
+    diff = (got.double() - expected.double()).abs().nan_to_num(nan=math.inf).reshape(-1)
+    flat = int(diff.argmax())
+    index, rest = [], flat
+    for size in reversed(got.shape):
+        index.append(rest % size)
+        rest //= size
+    text = (f"{_element(index[::-1])} is {float(got.reshape(-1)[flat]):.6g}, expected "
+            f"{float(expected.reshape(-1)[flat]):.6g} ({what})")
+    if got.numel() == 1:
+        return text
+    nan = math.isnan(float(got.reshape(-1)[flat]))
+    off = "" if nan else f", off by {float(diff[flat]):.3g}"
+    return f"{text}{off}, the largest difference in the tensor"
+
+
 def listed(values: Iterable[object]) -> str:
     """``1, 2, 3``."""
     return ", ".join(map(str, values))

@@ -49,6 +49,7 @@ from labs.checks.core import (
     failed_case,
     failing_rank,
     is_class,
+    largest_difference,
     listed,
     raised,
     run_check,
@@ -198,10 +199,12 @@ def _judge_initial(plan: Plan, reference: Reference, records: Sequence[_CaseReco
                         "broadcast every parameter and buffer from rank 0 in __init__"
                         f"{also.get(name, '')}, e.g. dist.broadcast(t, src=0).")
             if r == 0 and n > 1:
-                return (f"rank 0's {_what(name)} changed in __init__: rank 0 is the source of "
-                        "the broadcast (src=0), its values must stay as they are.")
+                return (f"rank 0's {_what(name)} changed in __init__: " + largest_difference(
+                    got, want, "its value before __init__") + ". Rank 0 is the source of the "
+                    "broadcast (src=0), its values must stay as they are.")
             return (f"rank {r}'s {_what(name)} after __init__ is neither rank 0's nor its own: "
-                    "broadcast every parameter and buffer from rank 0 (src=0), in place.")
+                    + largest_difference(got, want, "rank 0's") + ". Broadcast every parameter "
+                    "and buffer from rank 0 (src=0), in place.")
     return ""
 
 
@@ -227,12 +230,13 @@ def _judge_grad(n: int, r: int, name: str, got: torch.Tensor | None, mean: torch
     if n > 1 and divisor:
         return (f"rank {r}: {name}.grad holds the sum over ranks divided by {divisor}, not by "
                 f"the world size {n}: divide by dist.get_world_size().")
+    values = largest_difference(got, mean, "the mean over ranks")
     disagree = [q for q, other in enumerate(others) if other is not None
                 and not _close(got, other)]
     if disagree:
-        return (f"ranks disagree: rank {r} and rank {disagree[0]} hold different {name}.grad; "
-                "every rank must end with the same mean.")
-    return f"rank {r}: {name}.grad is not the mean over ranks of the ranks' gradients."
+        return (f"ranks disagree: rank {r} and rank {disagree[0]} hold different {name}.grad "
+                f"(rank {r}'s {values}); every rank must end with the same mean.")
+    return f"rank {r}: {name}.grad is not the mean over ranks of the ranks' gradients: {values}."
 
 
 def _judge_step(plan: Plan, reference: Reference, records: Sequence[_CaseRecord],
@@ -264,16 +268,19 @@ def _judge_step(plan: Plan, reference: Reference, records: Sequence[_CaseRecord]
                 continue
             if name == "frozen":
                 return (f"rank {r}: the frozen parameter 'frozen' changed (frozen parameter "
-                        "touched): leave parameters with requires_grad=False alone.")
+                        "touched): " + largest_difference(
+                            got, want, "its value before the step") + ". Leave parameters with "
+                        "requires_grad=False alone.")
+            values = largest_difference(got, want, "one process's")
             disagree = [q for q, other in enumerate(records)
                         if not _close(got, other.steps[step].state[name])]
             if disagree:
                 return (f"ranks disagree: rank {r} and rank {disagree[0]} hold different "
                         f"{_what(name)} after the optimizer step, though the gradients were "
-                        "right.")
+                        f"right (rank {r}'s {values}).")
             return (f"rank {r}: {_what(name)} differs from one process after the optimizer "
-                    "step, though the gradients were right: change only p.grad, and leave "
-                    "the update to the optimizer.")
+                    f"step, though the gradients were right: {values}. Change only p.grad, "
+                    "and leave the update to the optimizer.")
     return ""
 
 

@@ -40,6 +40,7 @@ from labs.checks.core import (
     calls_in_thread,
     clean_traceback,
     failing_rank,
+    largest_difference,
     listed,
     raised,
     report,
@@ -432,7 +433,7 @@ def _far(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> s
         if g.shape != w.shape or g.dtype != w.dtype:
             return f"{name} is {g.dtype}{list(g.shape)}, not {w.dtype}{list(w.shape)}"
         if not torch.allclose(g, w, rtol=JOIN_RTOL, atol=JOIN_ATOL):
-            return f"{name} is off by up to {float((g - w).abs().max()):.3g}"
+            return f"{name}'s " + largest_difference(g, w, "one process's")
     return ""
 
 

@@ -36,6 +36,7 @@ from labs.checks.core import (
     calls_in_thread,
     clean_traceback,
     failing_rank,
+    largest_difference,
     listed,
     raised,
     report,
@@ -199,7 +200,8 @@ def _judge_real(runs: Sequence[_PrefetchRun]) -> str:
         for name, (mine, theirs) in run.params.items():
             if not torch.equal(mine, theirs):
                 return (f"{_REAL_RUN}, rank {rank}: the prefetches were labs', but parameter "
-                        f"{name} differs after {PREFETCH_STEPS} steps.")
+                        f"{name} differs after {PREFETCH_STEPS} steps: " + largest_difference(
+                            mine, theirs, "with labs' policy") + ".")
     return ""
 
 

@@ -22,6 +22,7 @@ from labs.checks.core import (
     CheckPlan,
     CheckResult,
     failing_rank,
+    largest_difference,
     listed,
     raised,
     run_check,
@@ -189,5 +190,6 @@ def _judge_average(
                     f"rank {rank}: {param}.grad is unchanged, still this rank's own gradient. "
                     "Call dist.all_reduce(p.grad) for each parameter (it works in place)."
                 )
-            return f"rank {rank}: {param}.grad is not the mean over ranks."
+            return (f"rank {rank}: {param}.grad is not the mean over ranks: " + largest_difference(
+                grad, mean, "the mean of the gradients the ranks started with") + ".")
     return ""

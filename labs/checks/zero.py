@@ -48,7 +48,9 @@ from labs.checks.core import (
     CheckResult,
     failed_case,
     failing_rank,
+    first_change,
     first_difference,
+    largest_difference,
     listed,
     raised,
     run_check,
@@ -162,8 +164,9 @@ def _judge_forward(n: int, index: int, case: Case, seed: int,
     for r in range(n):
         call = calls[r][0]
         if not torch.equal(call.state[0], shard_of(padded, n, r)):
-            return (f"rank {r}: the shard it was given was changed; gather from it, but leave "
-                    "it as it is (it is the rank's only copy of the parameters).")
+            return (f"rank {r}: the shard it was given was changed ("
+                    f"{first_change(call.state[0], shard_of(padded, n, r))}); gather from it, "
+                    "but leave it as it is (it is the rank's only copy of the parameters).")
         got = call.returned
         if got is None or got.shape != want.shape:
             what = call.returned_type if got is None else f"a tensor of shape {tuple(got.shape)}"
@@ -216,8 +219,9 @@ def _judge_grad(n: int, index: int, case: Case, seed: int, calls: Sequence[list[
     for r in range(n):
         call = calls[r][0]
         if not torch.equal(call.state[0], grads[r]):
-            return (f"rank {r}: grad was changed; reduce_scatter_grad must leave it as it is "
-                    "(pad and divide a copy: reshape(-1) is a view when it can be).")
+            return (f"rank {r}: grad was changed ({first_change(call.state[0], grads[r])}); "
+                    "reduce_scatter_grad must leave it as it is (pad and divide a copy: "
+                    "reshape(-1) is a view when it can be).")
         got, want = call.returned, shard_of(mean, n, r)
         if got is None or got.dim() != 1:
             what = call.returned_type if got is None else f"a tensor of shape {tuple(got.shape)}"
@@ -249,7 +253,7 @@ def _judge_grad(n: int, index: int, case: Case, seed: int, calls: Sequence[list[
         if n > 1 and divisor:
             return (f"rank {r}: returned the sum divided by {divisor}, not by the world size {n}: "
                     "divide by dist.get_world_size().")
-        return f"rank {r}: " + first_difference(
+        return f"rank {r}: " + largest_difference(
             got, want, f"{elements_text(r, k)} of the mean") + "."
     return ""
 

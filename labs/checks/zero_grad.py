@@ -47,7 +47,7 @@ from labs.checks.core import (
     case_noted,
     failed_case,
     failing_rank,
-    first_difference,
+    largest_difference,
     listed,
     raised,
     run_check,
@@ -314,7 +314,7 @@ def _judge_shard(got: torch.Tensor, grads: Gradients, i: int, numel: int, n: int
     if n > 1 and divisor:
         return (f"{what} is the sum divided by {divisor}, not by the world size {n}: divide by "
                 "dist.get_world_size().")
-    return f"{what}: " + first_difference(got, shard_of(mean, n, r), f"{mine} of the mean") + "."
+    return f"{what}: " + largest_difference(got, shard_of(mean, n, r), f"{mine} of the mean") + "."
 
 
 @dataclass(frozen=True)
@@ -431,9 +431,8 @@ def _judge_backward(n: int, index: int, case: GradCase, seed: int,
                          f"x's shape {tuple(want.shape)}: the gradient of the loss with respect "
                          "to this rank's input.")
         if not torch.equal(call.grad_x, want):
-            return wrong(f"rank {r}: grad_x, " + first_difference(
-                call.grad_x.reshape(-1), want.reshape(-1), "grad_out @ weight, with the "
-                "gathered weight") + ".")
+            return wrong(f"rank {r}: grad_x, " + largest_difference(
+                call.grad_x, want, "grad_out @ weight, with the gathered weight") + ".")
         transposed = (ref.transposed, (
             f"the weight's gradient is transposed: it has the weight's shape ({out_features}, "
             f"{in_features}), so it is grad_out.T @ x, flattened row by row like the weight "
