@@ -70,6 +70,10 @@ class Estimate:
     high: float
     repeats: int
     unit: str = ""
+    #: What ``repeats`` counts ("repeats", or "cases" for :meth:`span`), and whether ``low``
+    #: .. ``high`` is every sample (the whole range) rather than the middle half.
+    counts: str = "repeats"
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if not self.low <= self.median <= self.high:
@@ -79,8 +83,9 @@ class Estimate:
             raise ValueError(f"an estimate needs at least one repeat, got {self.repeats}.")
 
     @classmethod
-    def of(cls, samples: Sequence[float], unit: str = "") -> Estimate:
-        """The median and interquartile range of repeated measurements (at least one)."""
+    def of(cls, samples: Sequence[float], unit: str = "", counts: str = "repeats") -> Estimate:
+        """The median and interquartile range of repeated measurements (at least one), or of
+        several cases (``counts="cases"``)."""
         values = sorted(float(s) for s in samples)
         if not values:
             raise ValueError("an estimate needs at least one sample: repeat the measurement.")
@@ -88,7 +93,17 @@ class Estimate:
             low, high = values[0], values[-1]
         else:
             low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-        return cls(statistics.median(values), low, high, len(values), unit)
+        return cls(statistics.median(values), low, high, len(values), unit, counts)
+
+    @classmethod
+    def span(cls, samples: Sequence[float], unit: str = "", counts: str = "cases") -> Estimate:
+        """The median and the whole range of several values: for a statement about *every*
+        case (each within 15 % of its model, say), which its worst case decides."""
+        values = sorted(float(s) for s in samples)
+        if not values:
+            raise ValueError("an estimate needs at least one sample: repeat the measurement.")
+        return cls(statistics.median(values), values[0], values[-1], len(values), unit, counts,
+                   whole=True)
 
     @classmethod
     def exact(cls, value: float, unit: str = "") -> Estimate:
@@ -103,6 +118,14 @@ class Estimate:
                              f"{other.low}.")
         return Estimate(self.median / other.median, self.low / other.high,
                         self.high / other.low, min(self.repeats, other.repeats), unit)
+
+    def plus(self, other: Estimate) -> Estimate:
+        """The sum of two independent estimates (a message's time and its addition's, say):
+        medians, lows and highs added, so the spread is as wide as both together."""
+        if self.unit != other.unit:
+            raise ValueError(f"a sum needs one unit, got {self.unit!r} and {other.unit!r}.")
+        return Estimate(self.median + other.median, self.low + other.low,
+                        self.high + other.high, min(self.repeats, other.repeats), self.unit)
 
     @property
     def exact_value(self) -> bool:
@@ -191,9 +214,9 @@ class Claim:
         needs = f"the statement needs {self.side.value} {_g(self.threshold)}"
         if e.exact_value:
             return f"exactly {_g(e.median)}{unit}; {needs}"
-        spread = "range" if e.repeats < 4 else "middle half"
+        spread = "range" if e.whole or e.repeats < 4 else "middle half"
         return (f"median {_g(e.median)}{unit}, {spread} {_g(e.low)}-{_g(e.high)} of "
-                f"{e.repeats} repeats; {needs}")
+                f"{e.repeats} {e.counts}; {needs}")
 
     @property
     def markdown(self) -> str:

@@ -85,20 +85,23 @@ def values_text(values: Sequence[float], sep: str = " ") -> str:
 
 
 def ring_trace_table(steps: Sequence[RingStep]) -> str:
-    """One row per rank and ring step: the chunk it sent right and its values, the chunk that
-    arrived from the left, and that chunk after the rank combined it (reduce-scatter: added
-    its own part; all-gather: stored it). Steps are numbered from 0 within each phase."""
-    ordered = sorted(steps, key=lambda s: (list(Phase).index(s.phase), s.step, s.rank))
+    """One row per phase and step, one column per rank: ``sent 3, got 2 = 5005 6006`` is the
+    chunk the rank sent right, the chunk that arrived from the left, and that chunk after the
+    rank combined it (reduce-scatter: added its own part; all-gather: stored it). Steps are
+    numbered from 0 within each phase."""
     world_size = 1 + max((s.rank for s in steps), default=0)
-    header = ["phase", "step", "rank", "sends chunk", "to", "values sent", "gets chunk",
-              "from", "values received", "chunk after"]
-    rows = [
-        [s.phase.value, s.step, s.rank, s.sent_chunk, (s.rank + 1) % world_size,
-         values_text(s.sent), s.received_chunk, (s.rank - 1) % world_size,
-         values_text(s.received), values_text(s.chunk_after)]
-        for s in ordered
-    ]
-    return format_table(header, rows)
+    cells = {(s.phase, s.step, s.rank): s for s in steps}
+    rows = []
+    for phase in Phase:
+        for step in sorted({s.step for s in steps if s.phase is phase}):
+            row: list[object] = [phase.value, step]
+            for rank in range(world_size):
+                s = cells.get((phase, step, rank))
+                row.append("" if s is None else
+                           f"sent {s.sent_chunk}, got {s.received_chunk} = "
+                           f"{values_text(s.chunk_after)}")
+            rows.append(row)
+    return format_table(["phase", "step", *(f"rank {r}" for r in range(world_size))], rows)
 
 
 def _fraction_text(value: Fraction) -> str:

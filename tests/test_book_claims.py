@@ -33,8 +33,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 #: Chapters whose prose still uses myst-nb's glue roles (shown raw in JupyterLab).
 GLUE_CHAPTERS = {
-    "02_allreduce_algorithms", "06_zero_fsdp", "07_fsdp_in_practice", "08_beyond_one_node",
-    "09_when_it_goes_wrong",
+    "06_zero_fsdp", "07_fsdp_in_practice", "08_beyond_one_node", "09_when_it_goes_wrong",
 }
 
 CLAIM_NAME = re.compile(r"""["']((?:ch\d+|a\d+)\.[a-z0-9][a-z0-9-]*)["']""")

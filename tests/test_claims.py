@@ -45,6 +45,27 @@ def test_a_ratio_spans_the_widest_quotient_of_the_two_spreads():
         a.over(Estimate(0.0, 0.0, 0.0, 1))
 
 
+def test_a_span_is_every_case_so_one_outlier_decides():
+    within = dict(held="Every case within 15 %.", opposite="No case within 15 %.",
+                  unsure="Some cases within 15 %, not all.")
+    quartiles = Estimate.of([1, 2, 3, 2, 1, 2, 40])  # one case far out: the middle half hides it
+    assert Claim.below("test.within", quartiles, 15, **within).outcome is Outcome.HELD
+    every = Estimate.span([1, 2, 3, 2, 1, 2, 40], "%")
+    assert (every.low, every.median, every.high, every.repeats) == (1, 2, 40, 7)
+    claim = Claim.below("test.within", every, 15, **within)
+    assert claim.outcome is Outcome.UNSURE and "not all" in claim.sentence
+    assert "range 1-40 of 7 cases" in claim.margin
+    with pytest.raises(ValueError, match="at least one sample"):
+        Estimate.span([])
+
+
+def test_a_sum_adds_both_spreads_and_refuses_two_units():
+    total = Estimate(2.0, 1.8, 2.2, 5, "ms").plus(Estimate(1.0, 0.9, 1.5, 9, "ms"))
+    assert (total.median, total.low, total.high, total.repeats) == (3.0, 2.7, 3.7, 5)
+    with pytest.raises(ValueError, match="one unit"):
+        Estimate(2.0, 1.8, 2.2, 5, "ms").plus(Estimate(1.0, 0.9, 1.5, 9, "s"))
+
+
 @pytest.mark.parametrize("samples, outcome, word", [
     ([0.5, 0.6, 0.55, 0.52, 0.58], Outcome.HELD, "faster"),
     ([1.5, 1.6, 1.55, 1.52, 1.58], Outcome.OPPOSITE, "slower"),

@@ -351,3 +351,15 @@ def test_fit_alpha_beta_with_every_rank_stepping_a_ring():
                             pattern=P2PPattern.RING_STEP)
     assert params.pattern is P2PPattern.RING_STEP and params.world_size == 3
     assert params.alpha_s + params.beta_s_per_byte > 0
+
+
+def test_the_loopback_claims_compare_four_ranks_with_two_case_by_case():
+    from labs.claims import Outcome
+    from labs.experiments.cost_fit import loopback_claims
+
+    two = {("ring", s): r for s, r in zip(range(4), (1.0, 1.3, 1.2, 1.4), strict=True)}
+    fit_misses, worse = loopback_claims({2: two, 4: {c: 2 * r for c, r in two.items()}})
+    assert fit_misses.outcome is Outcome.HELD and fit_misses.needs is None
+    assert worse.outcome is Outcome.HELD and "2.00 times" in worse.sentence
+    _, worse = loopback_claims({2: two, 4: {c: 0.5 * r for c, r in two.items()}})
+    assert worse.outcome is Outcome.OPPOSITE

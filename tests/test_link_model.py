@@ -397,3 +397,60 @@ def test_the_panel_offers_the_link_only_for_the_all_reduce(monkeypatch):
     (panel,) = [s for s in shown if isinstance(s, w.VBox)]
     labels = [c.description for c in panel.children[-2].children if hasattr(c, "description")]
     assert labels == ["Run on real ranks"]
+
+
+# --- the chapter's claims, decided by made-up timings ----------------------------------------
+
+
+def _timing(algorithm, ratio, size=1 << 20, n=4, spread=0.0):
+    predicted = 0.1
+    return ls.LinkTiming(n, algorithm, size, (ratio * predicted, 1.2 * predicted), predicted,
+                         True, (spread, spread))
+
+
+def test_the_sweep_claims_follow_the_worst_case_and_the_naive_head_start():
+    from labs.claims import Outcome
+
+    good = [_timing(Algorithm.RING, 1.02), _timing(Algorithm.NAIVE, 0.97, spread=0.01)]
+    within, never, only_naive = ls.sweep_claims(good)
+    assert [c.outcome for c in (within, never, only_naive)] == [Outcome.HELD] * 3
+    assert "1 of the 2 cases" in only_naive.sentence and "0.970" in only_naive.sentence
+    # one case 20 % off: "every case within 15 %" cannot be said
+    within, _, _ = ls.sweep_claims([*good, _timing(Algorithm.RECURSIVE_DOUBLING, 1.2)])
+    assert within.outcome is Outcome.UNSURE and "some did not" in within.sentence
+    # a ring call under its model even from the first start: both other claims fail
+    _, never, only_naive = ls.sweep_claims([*good, _timing(Algorithm.RING, 0.9)])
+    assert never.outcome is Outcome.UNSURE and only_naive.outcome is Outcome.OPPOSITE
+
+
+def test_the_crossover_claim_names_where_the_ring_overtook():
+    from labs.claims import Outcome
+
+    settings = ls.LinkSweepSettings(sizes=(1 << 20, 1 << 22), world_sizes=(4,))
+    cross = crossover_on_link(Algorithm.RING, Algorithm.RECURSIVE_DOUBLING, 4, settings.link)
+    assert (1 << 20) < cross < (1 << 22)
+
+    def run(ring_at_4m):
+        return [ls.LinkTiming(4, a, s, (t,), 1.0, True, (0.0,)) for a, s, t in (
+            (Algorithm.RING, 1 << 20, 2.0), (Algorithm.RECURSIVE_DOUBLING, 1 << 20, 1.0),
+            (Algorithm.RING, 1 << 22, ring_at_4m), (Algorithm.RECURSIVE_DOUBLING, 1 << 22, 4.0))]
+
+    lines, claim = ls.crossover_claim(run(3.0), settings, (4,))
+    assert claim.outcome is Outcome.HELD and "from 4M on" in lines[0] and "0.75 times" in lines[0]
+    lines, claim = ls.crossover_claim(run(5.0), settings, (4,))
+    assert claim.outcome is Outcome.OPPOSITE and "no size" in lines[0]
+
+
+def test_the_floor_claims_fail_a_link_the_machine_would_show_through():
+    from labs.claims import Outcome
+    from labs.experiments.p2p_timing import PointTiming
+
+    def point(ms):
+        return PointTiming(1 << 22, ms / 1e3, (ms / 1e3,) * 5)
+
+    floor = ls.Floor(8, (point(4.0),), (point(2.0),), (0.0002,) * 20, 2)
+    wake, cheap = ls.floor_claims(floor, ls.CHAPTER_LINK)
+    assert wake.outcome is cheap.outcome is Outcome.HELD and "4 MiB" in cheap.sentence
+    fast = Link(alpha=1e-3, bandwidth=1e9)  # 1 ms and 4 ms per 4 MiB: the machine shows
+    wake, cheap = ls.floor_claims(floor, fast)
+    assert wake.outcome is Outcome.OPPOSITE and cheap.outcome is Outcome.OPPOSITE

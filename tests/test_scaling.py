@@ -129,6 +129,23 @@ def test_the_claims_bench_counts_each_claim_over_repeats_and_conditions():
     assert re.search(r"ch5\.at-crossover +any +1/1", text)
 
 
+def test_the_bench_runs_chapter_2s_own_sweep():
+    """The bench's chapter-2 sweep is the one the chapter's source runs."""
+    import re
+    from pathlib import Path
+
+    from labs.bench.claims import CHAPTER2_SWEEP
+    from labs.experiments import link_sweep
+
+    source = (Path(__file__).resolve().parents[1] / "notebooks" / "02_cost_model.md").read_text()
+    [line] = re.findall(r"^settings = link_sweep\.LinkSweepSettings\(.*$", source, re.M)
+    namespace = {"link_sweep": link_sweep}
+    exec(line, namespace)  # noqa: S102
+    assert namespace["settings"] == CHAPTER2_SWEEP
+    assert "LINK = link_sweep.CHAPTER_LINK" in source and CHAPTER2_SWEEP.link == namespace[
+        "link_sweep"].CHAPTER_LINK
+
+
 def test_the_bench_runs_the_chapters_own_link_and_model():
     """The bench's chapter-5 settings are the ones the chapter's source defines."""
     import re

@@ -22,11 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from labs.claims import Claim, Outcome
+from labs.experiments import cost_fit, link_sweep
 from labs.experiments.scaling import crossover_experiment
 from labs.link import Link
 from labs.models import StepSettings
 from labs.tables import format_table
 
+#: Chapter 2's sweep on its link ("What an all-reduce costs": ``settings``).
+CHAPTER2_SWEEP = link_sweep.LinkSweepSettings(skip_beyond=5)
 #: Chapter 5's link and model ("On a network with a cost of its own": ``LINK`` and ``WIDE``).
 CHAPTER5_LINK = Link(alpha=2.5e-3, bandwidth=125e6)
 CHAPTER5_WIDE = StepSettings(width=512, layers=8, batch=384, steps=5, warmup=1,
@@ -43,7 +46,24 @@ class TimingExperiment:
     run: Callable[[], Sequence[Claim]]
 
 
+def _chapter2_floor() -> Sequence[Claim]:
+    return link_sweep.floor_claims(link_sweep.measure_floor(), CHAPTER2_SWEEP.link)
+
+
+def _chapter2_sweep() -> Sequence[Claim]:
+    timings = link_sweep.measure_on_link(CHAPTER2_SWEEP)
+    return (*link_sweep.sweep_claims(timings),
+            link_sweep.crossover_claim(timings, CHAPTER2_SWEEP)[1])
+
+
+def _chapter2_loopback() -> Sequence[Claim]:
+    return cost_fit.loopback_claims(cost_fit.loopback_experiment()[2])
+
+
 EXPERIMENTS: tuple[TimingExperiment, ...] = (
+    TimingExperiment("ch2.floor", "02_cost_model", _chapter2_floor),
+    TimingExperiment("ch2.link-sweep", "02_cost_model", _chapter2_sweep),
+    TimingExperiment("ch2.loopback", "02_cost_model", _chapter2_loopback),
     TimingExperiment("ch5.crossover", "05_ddp",
                      lambda: crossover_experiment(CHAPTER5_WIDE, CHAPTER5_LINK)),
 )

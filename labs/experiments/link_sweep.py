@@ -6,6 +6,8 @@
 * **floor** (:class:`FloorSettings`, :func:`measure_floor`): what the emulation must stay well
   above to be believed: the real cost of a message over this machine's loopback, the real cost
   of adding what arrived, and how late a sleeping rank wakes up.
+* **claims** (:func:`floor_claims`, :func:`sweep_claims`, :func:`crossover_claim`): what the
+  chapter says about both, decided by the run (:mod:`labs.claims`).
 
 How a call is timed on the link. The model starts every rank at the same moment. All ranks
 share the machine's monotonic clock, which the link times its ports with, so the ranks agree
@@ -30,8 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from labs.claims import Claim, Estimate
 from labs.collectives import DEFAULT_SEGMENT_BYTES, Algorithm, all_reduce, ring_all_reduce
-from labs.cost_model import predict_on_link
+from labs.cost_model import crossover_on_link, predict_on_link
 from labs.experiments.p2p_timing import P2PPattern, PointTiming, time_p2p, time_reduction
 from labs.experiments.timing import COMM_THREADS, format_size
 from labs.launcher import MAX_WORLD_SIZE, Backend, cpu_cores, launch
@@ -389,3 +392,110 @@ def measure_floor(settings: FloorSettings | None = None) -> Floor:
     messages, additions, _ = results[0]
     lateness = tuple(s for _, _, late in results for s in late)
     return Floor(settings.world_size, tuple(messages), tuple(additions), lateness, cpu_cores())
+
+
+# --- the claims the chapter makes about the floor and the sweep -------------------------------
+
+
+def floor_claims(floor: Floor, link: Link) -> tuple[Claim, Claim]:
+    """Whether the emulation can be believed: a sleeping rank wakes late by under a tenth of
+    the link's latency (the median and middle half of every sleep), and a real message of the
+    largest size, with its addition, costs under a tenth of what the link charges for it."""
+    alpha_ms = link.alpha * 1e3
+    late = Estimate.of([s * 1e3 for s in floor.lateness], "ms")
+    wake = Claim.below(
+        "ch2.wakeup-below-link-alpha", late, alpha_ms / 10,
+        held="A sleeping rank woke {value:.2f} ms late (the median of {repeats} sleeps), under "
+             "a tenth of the link's α of {alpha:.0f} ms. The latest of them, {worst:.1f} ms, "
+             "shows why each case below runs several times and its fastest call is the one "
+             "kept.",
+        opposite="A sleeping rank woke {value:.2f} ms late (the median of {repeats} sleeps), "
+                 "more than a tenth of the link's α of {alpha:.0f} ms: the link's times would "
+                 "carry the machine's wake-ups. Give the link a larger α.",
+        unsure="A sleeping rank woke {value:.2f} ms late (the median of {repeats} sleeps), "
+               "about a tenth of the link's α of {alpha:.0f} ms: the wake-ups may show in the "
+               "times below.",
+        alpha=alpha_ms, worst=max(floor.lateness) * 1e3)
+    message, addition = floor.messages[-1], floor.additions[-1]
+    real = Estimate.of([s * 1e3 for s in message.all_seconds], "ms").plus(
+        Estimate.of([s * 1e3 for s in addition.all_seconds], "ms"))
+    link_ms = link.seconds(message.size_bytes) * 1e3
+    cheap = Claim.below(
+        "ch2.real-work-below-link", real, link_ms / 10,
+        held="A real {size} message and adding it took {value:.1f} ms here, under a tenth of "
+             "the {link_ms:.0f} ms the link charges for that message.",
+        opposite="A real {size} message and adding it took {value:.1f} ms here, more than a "
+                 "tenth of the {link_ms:.0f} ms the link charges: the machine's own work would "
+                 "show. Give the link a lower bandwidth.",
+        unsure="A real {size} message and adding it took {value:.1f} ms here, about a tenth "
+               "of the {link_ms:.0f} ms the link charges: the machine's own work may show "
+               "below.",
+        size=format_size(message.size_bytes).replace("M", " MiB").replace("K", " KiB"),
+        link_ms=link_ms)
+    return wake, cheap
+
+
+def sweep_claims(timings: Sequence[LinkTiming]) -> tuple[Claim, Claim, Claim]:
+    """What the sweep says of the model: every case's fastest call within 15 % of it; counted
+    from the first rank's start, no call under it; counted from the last rank's start, only
+    naive calls under it (their senders do not wait for the last rank)."""
+    ratios = [t.ratio for t in timings]
+    within = Claim.below(
+        "ch2.sweep-within-15-percent", Estimate.span([abs(r - 1) * 100 for r in ratios], "%"),
+        15,
+        held="The fastest call of every one of the {cases} cases came within 15 % of the "
+             "model: from {lowest:.3f} to {highest:.3f} times it.",
+        opposite="No case's fastest call came within 15 % of the model: they lie from "
+                 "{lowest:.3f} to {highest:.3f} times it.",
+        unsure="Some cases' fastest calls came within 15 % of the model and some did not: "
+               "they lie from {lowest:.3f} to {highest:.3f} times it.",
+        cases=len(ratios), lowest=min(ratios), highest=max(ratios))
+    never = Claim.above(
+        "ch2.never-under-the-model-from-the-first-start",
+        Estimate.span([min(t.from_first_start) / t.predicted for t in timings], "x"), 0.999,
+        held="Counted from the first rank's start, no call of any case beat its model: the "
+             "closest came to {low:.3f} times it.",
+        opposite="Even counted from the first rank's start, every call beat its model (down "
+                 "to {low:.3f} times it): the model charges more than the link's rules.",
+        unsure="Counted from the first rank's start, some calls still beat their model, down "
+               "to {low:.3f} times it: the model charges those cases more than the link's "
+               "rules do.")
+    under = [t for t in timings if t.ratio < 0.999]
+    others = [t for t in under if t.algorithm is not Algorithm.NAIVE]
+    only_naive = Claim.below(
+        "ch2.only-naive-calls-under-the-model", Estimate.exact(len(others)), 0.5,
+        held="Counted from the last rank's start, {under} of the {cases} cases came in under "
+             "their model, all of them naive ones{lowest}.",
+        opposite="Counted from the last rank's start, {value:.0f} cases of other algorithms "
+                 "than the naive one came in under their model: their first step does not "
+                 "wait for the last rank as it should.",
+        under=len(under), cases=len(timings),
+        lowest=f" (down to {min(t.ratio for t in under):.3f})" if under else "")
+    return within, never, only_naive
+
+
+def crossover_claim(timings: Sequence[LinkTiming], settings: LinkSweepSettings,
+                    world_sizes: Sequence[int] = (4, 8)) -> tuple[list[str], Claim]:
+    """Whether the ring overtakes recursive doubling, at each of ``world_sizes``, at the first
+    swept size above the model's crossover S*; with one line per world size saying where it
+    did and by how much at that size."""
+    lines, misplaced = [], 0
+    for n in world_sizes:
+        cross = crossover_on_link(Algorithm.RING, Algorithm.RECURSIVE_DOUBLING, n, settings.link)
+        above = min(s for s in settings.sizes if s > cross)
+        first = measured_crossover(timings, n)
+        misplaced += first != above
+        ring = find(timings, n, Algorithm.RING, above).fastest
+        doubling = find(timings, n, Algorithm.RECURSIVE_DOUBLING, above).fastest
+        lines.append(f"N = {n}: measured, the ring is the faster from "
+                     f"{format_size(first) if first else 'no size'} on; at "
+                     f"{format_size(above)} it took {ring / doubling:.2f} times recursive "
+                     "doubling's time")
+    claim = Claim.below(
+        "ch2.crossover-where-the-model-puts-it", Estimate.exact(misplaced), 0.5,
+        held="At every world size the ring overtook recursive doubling at the first swept "
+             "size above the model's S*.",
+        opposite="At {value:.0f} of the {sizes} world sizes the ring overtook recursive "
+                 "doubling elsewhere than at the first swept size above the model's S*.",
+        sizes=len(world_sizes))
+    return lines, claim
