@@ -34,7 +34,7 @@ from labs.experiments.pitfalls import (
     unused_parameter_first_step_worker,
     unused_parameter_worker,
 )
-from labs.viz.ddp import _covered, accumulation_table, sampler_table, step_time_table
+from labs.viz.ddp import accumulation_table, sampler_table, step_time_table
 from labs.wrappers import Wrapper
 
 SMALL = StepSettings(width=32, layers=3, batch=8, steps=2, warmup=1,
@@ -103,7 +103,19 @@ def test_the_timeline_shows_ddp_launching_during_backward_and_naive_after_it():
         assert len(t.allreduces) == 6
         assert all(s.start >= t.backward_end for s in t.allreduces)  # only after backward
         assert {s.label for s in t.allreduces} == set(t.grad_ready)
-        assert _covered(t.allreduces, t.backward_end) == 0.0
+        assert t.in_flight(t.backward_end) == 0.0 and t.overlap_efficiency == 0.0
+    ddp = timelines[Wrapper.DDP][0]
+    assert 0.0 < ddp.in_flight(ddp.backward_end) <= ddp.in_flight()
+    assert 0.0 < ddp.overlap_efficiency <= 1.0
+
+
+def test_the_overlap_efficiency_counts_communication_under_backward_once():
+    from labs.experiments.ddp import BackwardTimeline, Span
+
+    spans = (Span("bucket 0", 1.0, 3.0), Span("bucket 1", 2.0, 5.0), Span("bucket 2", 6.0, 7.0))
+    t = BackwardTimeline(Wrapper.DDP, 4.0, {}, spans, 7.5)
+    assert t.in_flight() == 5.0  # 1-5 and 6-7: the overlapping buckets counted once
+    assert t.in_flight(t.backward_end) == 3.0 and t.overlap_efficiency == 0.6
 
 
 def test_no_sync_makes_k_micro_batches_cost_one_all_reduce_per_bucket():
@@ -200,3 +212,29 @@ def test_wrapping_broadcasts_rank_zeros_weights_whatever_the_seed():
     assert launch(seeding_worker, 2, args=(Wrapper.LOCAL,), echo=False)[1] > 0
     for impl in (Wrapper.DDP, Wrapper.TORCH_DDP):
         assert launch(seeding_worker, 2, args=(impl,), echo=False) == [0.0, 0.0]
+
+
+def test_the_chrome_trace_has_a_process_per_rank_and_two_tracks():
+    import base64
+    import json
+    import re
+
+    from labs.experiments.ddp import BackwardTimeline, Span
+    from labs.viz.trace import COMMUNICATION, COMPUTE, ddp_trace, download_link
+
+    t = BackwardTimeline(Wrapper.DDP, 0.004, {"w": 0.001, "b": 0.0005},
+                         (Span("bucket 0", 0.002, 0.003),), 0.0035)
+    trace = ddp_trace({Wrapper.DDP: [t, t], Wrapper.NAIVE: [t]})
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {"DDP, rank 0", "DDP, rank 1", "NaiveDDP, rank 0"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 3 * 2  # backward and one bucket per process
+    bucket = next(e for e in spans if e["name"] == "bucket 0")
+    assert bucket["tid"] == COMMUNICATION and bucket["ts"] == 2000 and bucket["dur"] == 1000
+    assert {e["tid"] for e in spans if e["name"] == "backward"} == {COMPUTE}
+    assert sum(e["ph"] == "i" and e["cat"] == "gradient" for e in events) == 2 * 3
+    link = download_link(trace, "ddp.json", "the trace").data
+    data = re.search(r"base64,([^\"]+)", link).group(1)
+    assert json.loads(base64.b64decode(data)) == json.loads(json.dumps(trace))
+    assert 'download="ddp.json"' in link

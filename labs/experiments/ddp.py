@@ -337,6 +337,23 @@ class BackwardTimeline:
     synchronised: float
     """When every gradient held its average (finish_gradient_synchronization returned)."""
 
+    def in_flight(self, until: float = float("inf")) -> float:
+        """Seconds of [0, ``until``] during which at least one all-reduce was in flight."""
+        total, reach = 0.0, 0.0
+        for span in sorted(self.allreduces, key=lambda s: s.start):
+            start, end = max(span.start, reach), min(span.end, until)
+            total += max(end - start, 0.0)
+            reach = max(reach, span.end)
+        return total
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """The share of the communication's time that ran while backward computed (0 when
+        nothing was sent), as a profiler reports it. It is not the time saved: backward may
+        itself run slower beside the communication (chapter 5 measures by how much)."""
+        total = self.in_flight()
+        return self.in_flight(self.backward_end) / total if total else 0.0
+
 
 def timeline_worker(rank: int, world_size: int, settings: StepSettings,
                     wrapper: Wrapper) -> BackwardTimeline:

@@ -14,7 +14,6 @@ from labs.experiments.ddp import (
     BackwardTimeline,
     Measure,
     SamplerView,
-    Span,
     StepTimeRow,
     cap_text,
 )
@@ -170,10 +169,12 @@ def plot_timeline(timelines: dict[Wrapper, BackwardTimeline], title: str = "") -
                     label="all-reduce in flight" if i == 0 else None)
         ax.axvline(t.synchronised * ms, color="black", ls="--", lw=1,
                    label=f"all gradients averaged: {t.synchronised * ms:.1f} ms")
-        overlap = _covered(t.allreduces, t.backward_end)
         ax.set_yticks([1, 2], [f"{len(t.allreduces)} all-reduce(s)", "backward"])
-        ax.set_title(f"{impl.value}: {overlap * ms:.1f} ms of communication overlaps "
-                     "backward", fontsize="medium", loc="left")
+        ax.set_title(f"{impl.value}: {t.in_flight(t.backward_end) * ms:.1f} of "
+                     f"{t.in_flight() * ms:.1f} ms of communication ran during backward "
+                     f"({t.overlap_efficiency:.0%}); averaged "
+                     f"{(t.synchronised - t.backward_end) * ms:.1f} ms after it",
+                     fontsize="medium", loc="left")
         ax.set_ylim(0.4, 2.6)
         ax.legend(fontsize="x-small", loc="upper right", ncol=2)
         ax.grid(True, axis="x", alpha=0.3)
@@ -181,17 +182,6 @@ def plot_timeline(timelines: dict[Wrapper, BackwardTimeline], title: str = "") -
     if title:
         fig.suptitle(title)
     return fig
-
-
-def _covered(spans: Sequence[Span], until: float) -> float:
-    """Seconds of [0, until] during which at least one span was in flight."""
-    total, reach = 0.0, 0.0
-    for span in sorted(spans, key=lambda s: s.start):
-        start, end = max(span.start, reach), min(span.end, until)
-        if end > start:
-            total += end - start
-        reach = max(reach, span.end)
-    return total
 
 
 def overlap_table(rows: Sequence[OverlapRow]) -> str:
